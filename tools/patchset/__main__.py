@@ -1,0 +1,5 @@
+import sys
+
+from patchset.cli import main
+
+sys.exit(main())

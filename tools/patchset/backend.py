@@ -1,0 +1,143 @@
+"""In-tree PEP 517 / PEP 660 build backend: builds the fork by delegating to upstream's own setuptools build.
+
+It never imports torch or lightning. The patched tree is made once per (sdist hash, series) and cached; each hook
+works on a fresh copy with our new files and the version label, so upstream's ``setup.py`` can write into it freely.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from patchset import PatchsetError
+from patchset.materialize import build_tree
+from patchset.pin import read_pin
+
+_T = TypeVar("_T")
+EDITABLE_TREE = Path(".work") / "editable"
+# What a self-contained sdist of the patch set holds: everything but version control, caches and build output.
+_SDIST_SKIP = {"PKG-INFO", ".git", ".work", ".nox", ".github", "dist", "build", "__pycache__", ".pytest_cache", ".ruff_cache"}
+_SDIST_SKIP_SUFFIXES = (".pyc", ".egg-info", ".coverage")
+
+
+def _project() -> Path:
+    return Path.cwd()
+
+
+def _reports_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Turn a :class:`PatchsetError` into one ``error:`` line and a failed hook, instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        try:
+            return fn(*args, **kwargs)
+        except PatchsetError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
+    return wrapper
+
+
+@contextmanager
+def _inside(tree: Path) -> Iterator[Path]:
+    cwd = os.getcwd()
+    os.chdir(tree)
+    try:
+        yield tree
+    finally:
+        os.chdir(cwd)
+
+
+@contextmanager
+def _fork_tree() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="lightning-patchset-") as tmp:
+        tree = build_tree(_project(), Path(tmp) / "tree")
+        with _inside(tree):
+            yield tree
+
+
+def _setuptools() -> Any:
+    import setuptools.build_meta
+
+    return setuptools.build_meta
+
+
+def get_requires_for_build_wheel(config_settings: dict | None = None) -> list[str]:
+    return []  # build-system.requires already lists what upstream's setup.py needs
+
+
+get_requires_for_build_editable = get_requires_for_build_wheel
+get_requires_for_build_sdist = get_requires_for_build_wheel
+
+
+@_reports_errors
+def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: dict | None = None) -> str:
+    target = os.path.abspath(metadata_directory)
+    with _fork_tree():
+        return _setuptools().prepare_metadata_for_build_wheel(target, config_settings)
+
+
+@_reports_errors
+def build_wheel(
+    wheel_directory: str, config_settings: dict | None = None, metadata_directory: str | None = None
+) -> str:
+    target = os.path.abspath(wheel_directory)
+    with _fork_tree():
+        return _setuptools().build_wheel(target, config_settings)
+
+
+@_reports_errors
+def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: dict | None = None) -> str:
+    return prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+
+
+@_reports_errors
+def build_editable(
+    wheel_directory: str, config_settings: dict | None = None, metadata_directory: str | None = None
+) -> str:
+    """PEP 660: the installed fork points at ``.work/editable``, whose new files are links to this checkout's.
+
+    Edits to our new files take effect at once; after changing patches or adding files, install again.
+    """
+    target = os.path.abspath(wheel_directory)
+    tree = build_tree(_project(), _project() / EDITABLE_TREE, link=True)
+    with _inside(tree):
+        return _setuptools().build_editable(target, config_settings)
+
+
+@_reports_errors
+def build_sdist(sdist_directory: str, config_settings: dict | None = None) -> str:
+    """A self-contained sdist of the patch set: pin, patches, our files and this tool; upstream is fetched at build."""
+    project = _project()
+    pin = read_pin(project)
+    stem = f"{pin.name}-{pin.fork_version}"
+    with tempfile.TemporaryDirectory() as meta_dir:
+        dist_info = prepare_metadata_for_build_wheel(meta_dir, config_settings)
+        pkg_info = (Path(meta_dir) / dist_info / "METADATA").read_bytes()
+    target = Path(sdist_directory).resolve() / f"{stem}.tar.gz"
+
+    def _skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        name = Path(info.name).name
+        if name in _SDIST_SKIP or name.endswith(_SDIST_SKIP_SUFFIXES) or name.startswith(".venv"):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(target, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for entry in sorted(project.iterdir()):
+            tar.add(entry, arcname=f"{stem}/{entry.name}", filter=_skip)
+        info = tarfile.TarInfo(f"{stem}/PKG-INFO")
+        info.size = len(pkg_info)
+        info.mode = 0o644
+        import io
+
+        tar.addfile(info, io.BytesIO(pkg_info))
+    return target.name

@@ -1,0 +1,83 @@
+"""Thin wrappers around the git command line, with a fixed identity and no user configuration leaking in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from patchset import PatchsetError
+
+# The identity recorded for the upstream base commit and for commits made by the tool itself. Patch commits keep
+# the author from their patch file.
+TOOL_NAME = "Lightning patch set"
+TOOL_EMAIL = "patchset@lightning.invalid"
+FIXED_DATE = "2000-01-01T00:00:00+0000"
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(
+        {
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_AUTHOR_NAME": TOOL_NAME,
+            "GIT_AUTHOR_EMAIL": TOOL_EMAIL,
+            "GIT_COMMITTER_NAME": TOOL_NAME,
+            "GIT_COMMITTER_EMAIL": TOOL_EMAIL,
+            "GIT_AUTHOR_DATE": FIXED_DATE,
+            "GIT_COMMITTER_DATE": FIXED_DATE,
+            "LC_ALL": "C",
+        }
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+def git(
+    repo: Path,
+    *args: str,
+    check: bool = True,
+    input: bytes | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run ``git -C repo args`` isolated from the user's git configuration and return the completed process."""
+    cmd: Sequence[str] = (
+        "git",
+        "-c",
+        "core.autocrlf=false",
+        "-c",
+        "commit.gpgsign=false",
+        "-c",
+        "core.hooksPath=" + os.devnull,
+        "-C",
+        str(repo),
+        *args,
+    )
+    try:
+        proc = subprocess.run(cmd, input=input, capture_output=True, env=_env(env))
+    except FileNotFoundError as err:
+        raise PatchsetError("git is required but was not found on PATH") from err
+    if check and proc.returncode != 0:
+        stderr = proc.stderr.decode(errors="replace").strip()
+        raise PatchsetError(f"`git {' '.join(args)}` failed in {repo}: {stderr}")
+    return proc
+
+
+def out(repo: Path, *args: str) -> str:
+    """Run git and return its stripped standard output as text."""
+    return git(repo, *args).stdout.decode().strip()
+
+
+def init_repo(path: Path) -> None:
+    """Create an empty repository at ``path`` on branch ``main``."""
+    path.mkdir(parents=True, exist_ok=True)
+    git(path, "init", "-q")
+    git(path, "symbolic-ref", "HEAD", "refs/heads/main")
+
+
+def is_clean(repo: Path) -> bool:
+    """Whether the work tree and index match HEAD (ignored files aside)."""
+    return not git(repo, "status", "--porcelain").stdout.strip()

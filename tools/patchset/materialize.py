@@ -1,0 +1,216 @@
+"""Turn the pinned sdist plus the patch series plus our new files into a source tree of the fork."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from patchset import PatchsetError
+from patchset.gitops import git, init_repo
+from patchset.pin import Pin, cache_dir, extract_sdist, fetch_sdist, read_pin
+from patchset.series import Patch, read_series, series_digest_material
+
+# Folders of this repo whose files are new files at upstream paths, laid over the upstream tree.
+OVERLAY_ROOTS = ("src", "tests/tests_fabric", "tests/tests_pytorch", "docs")
+_SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+WORKSPACE = Path(".work") / "tree"
+BASE_TAG = "upstream"
+# Bump when the layout of cached trees changes, so old caches are not reused.
+_CACHE_FORMAT = b"patchset-tree-1"
+
+
+def overlay_files(project: Path) -> list[str]:
+    """Our new files at upstream paths, as sorted POSIX paths relative to the project."""
+    found = []
+    for root in OVERLAY_ROOTS:
+        base = project / root
+        if not base.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_PARTS and not d.endswith(".egg-info"))
+            for name in filenames:
+                if name.endswith((".pyc", ".pyo")):
+                    continue
+                found.append((Path(dirpath) / name).relative_to(project).as_posix())
+    return sorted(found)
+
+
+def _diagnose(repo: Path, patch: Patch) -> str:
+    """Why ``patch`` does not apply to ``repo``: already upstream, or which file and hunk fail."""
+    if git(repo, "apply", "--check", "--reverse", str(patch.path), check=False).returncode == 0:
+        return f"{patch.name} is already upstream (it applies in reverse): drop it from patches/series"
+    proc = git(repo, "apply", "--check", str(patch.path), check=False)
+    stderr = proc.stderr.decode(errors="replace")
+    failed = re.search(r"patch failed: (.+):(\d+)", stderr)
+    if failed:
+        path, line = failed.group(1), int(failed.group(2))
+        return f"{patch.name} does not apply: {path}, {_hunk_header(patch, path, line)}"
+    missing = re.search(r"error: (.+?): (does not exist in index|No such file or directory)", stderr)
+    if missing:
+        return f"{patch.name} does not apply: {missing.group(1)} does not exist in the base"
+    exists = re.search(r"error: (.+?): already exists in working directory", stderr)
+    if exists:
+        return f"{patch.name} does not apply: it creates {exists.group(1)}, which already exists"
+    detail = stderr.strip().splitlines()[-1] if stderr.strip() else "git apply gave no reason"
+    return f"{patch.name} does not apply: {detail}"
+
+
+def _hunk_header(patch: Patch, path: str, line: int) -> str:
+    current = None
+    for text in patch.path.read_text(encoding="utf-8").splitlines():
+        if text.startswith("+++ "):
+            current = text[4:].removeprefix("b/")
+        elif text.startswith("@@") and current == path:
+            match = re.match(r"@@ -(\d+)", text)
+            if match and int(match.group(1)) == line:
+                return f"hunk `{text}`"
+    return f"hunk at line {line}"
+
+
+def base_repo(pin: Pin, dest: Path) -> None:
+    """Create ``dest`` as a git repository holding the pinned sdist's contents as one commit tagged ``upstream``."""
+    sdist = fetch_sdist(pin)
+    extract_sdist(sdist, dest)
+    init_repo(dest)
+    git(dest, "add", "-A", "-f")
+    git(dest, "commit", "-q", "-m", f"{pin.name} {pin.version} (upstream sdist {pin.sdist}, sha256 {pin.sha256})")
+    git(dest, "tag", BASE_TAG)
+
+
+def apply_series(repo: Path, patches: list[Patch], three_way: bool = True) -> None:
+    """Apply each patch as one commit with ``git am``; on failure, leave no half-applied state and say why."""
+    for patch in patches:
+        args = ["am", "-q", "--keep-cr"] + (["-3"] if three_way else []) + [str(patch.path)]
+        if git(repo, *args, check=False).returncode != 0:
+            git(repo, "am", "--abort", check=False)
+            raise PatchsetError(_diagnose(repo, patch))
+
+
+def check_overlay(project: Path, tree: Path) -> list[str]:
+    """Our new files; refuse any that would shadow a file of the (patched) upstream tree."""
+    files = overlay_files(project)
+    shadows = []
+    for rel in files:
+        target = tree / rel
+        if target.is_symlink() and Path(os.readlink(target)) == (project / rel).resolve():
+            continue
+        if target.exists() or target.is_symlink():
+            shadows.append(rel)
+    if shadows:
+        raise PatchsetError(
+            f"{shadows[0]} would shadow an upstream file"
+            + (f" (and {len(shadows) - 1} more)" if len(shadows) > 1 else "")
+            + ": change upstream files through a patch, not by overlaying them"
+        )
+    return files
+
+
+def lay_overlay(project: Path, tree: Path, files: list[str], link: bool) -> None:
+    """Place our new files into ``tree``: symlinks (edits take effect at once) or copies."""
+    for rel in files:
+        target = tree / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink():
+            target.unlink()
+        if link:
+            target.symlink_to((project / rel).resolve())
+        else:
+            shutil.copy2(project / rel, target)
+
+
+def write_version(tree: Path, pin: Pin) -> list[Path]:
+    """Write the fork's version into every ``version.info`` of the tree's ``src``, where ``__version__`` reads it."""
+    written = []
+    for path in sorted((tree / "src").rglob("version.info")):
+        path.write_text(pin.fork_version + "\n", encoding="utf-8")
+        written.append(path)
+    if not written:
+        raise PatchsetError(f"no version.info under {tree / 'src'}: cannot label the fork's version")
+    return written
+
+
+def tree_key(project: Path, pin: Pin) -> str:
+    """Identify a patched tree by the sdist's hash and the series' content."""
+    digest = hashlib.sha256(_CACHE_FORMAT + b"\0" + pin.sha256.encode() + b"\0" + series_digest_material(project))
+    return digest.hexdigest()[:24]
+
+
+def patched_tree(project: Path) -> Path:
+    """The upstream sdist with the series applied (no overlay, no .git), made once per (sdist, series) and cached."""
+    pin = read_pin(project)
+    patches = read_series(project)
+    final = cache_dir() / "trees" / tree_key(project, pin)
+    if (final / ".complete").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build-") as tmp:
+        repo = Path(tmp) / "repo"
+        base_repo(pin, repo)
+        apply_series(repo, patches)
+        staging = Path(tmp) / "tree"
+        shutil.copytree(repo, staging, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+        (staging / ".complete").write_text(tree_key(project, pin) + "\n")
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / ".complete").is_file():  # a concurrent build finished first otherwise
+                raise
+    return final
+
+
+def build_tree(project: Path, dest: Path, link: bool = False) -> Path:
+    """A complete fork source tree at ``dest``: patched upstream, our new files and the version label."""
+    pin = read_pin(project)
+    source = patched_tree(project)
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(source, dest, symlinks=True, ignore=shutil.ignore_patterns(".complete"))
+    files = check_overlay(project, dest)
+    lay_overlay(project, dest, files, link=link)
+    write_version(dest, pin)
+    return dest
+
+
+def materialize_workspace(project: Path, force: bool = False) -> Path:
+    """Make ``.work/tree``: a git repo with the upstream base, one commit per patch, our files linked in.
+
+    Refuses to replace a workspace holding commits that were not exported yet, unless ``force``.
+    """
+    from patchset.export import pending_changes
+
+    workspace = project / WORKSPACE
+    if workspace.exists() and not force:
+        pending = pending_changes(project, workspace)
+        if git(workspace, "status", "--porcelain").stdout.strip():
+            pending.append("uncommitted changes")
+        if pending:
+            raise PatchsetError(
+                f"{workspace} has work not exported to patches/ ({', '.join(pending)}): run `export` first,"
+                " or materialize with --force to discard it"
+            )
+    workspace.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
+        repo = Path(tmp) / "tree"
+        make_workspace(project, repo)
+        if workspace.exists():
+            shutil.rmtree(workspace)
+        os.rename(repo, workspace)
+    return workspace
+
+
+def make_workspace(project: Path, repo: Path) -> None:
+    """Build a workspace repository at ``repo`` (see :func:`materialize_workspace`)."""
+    pin = read_pin(project)
+    base_repo(pin, repo)
+    apply_series(repo, read_series(project))
+    files = check_overlay(project, repo)
+    lay_overlay(project, repo, files, link=True)
+    exclude = repo / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    exclude.write_text("# our new files, linked in from the patch set checkout\n" + "".join(f"/{f}\n" for f in files))
+    versions = write_version(repo, pin)
+    git(repo, "update-index", "--skip-worktree", *(str(p.relative_to(repo)) for p in versions))

@@ -1,0 +1,133 @@
+"""The upstream pin: which release the patch set applies to, and fetching its sdist by hash."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from patchset import PatchsetError
+
+PIN_FILE = Path("patches") / "upstream.pin"
+SDIST_ENV = "LIGHTNING_PATCHSET_SDIST"
+CACHE_ENV = "LIGHTNING_PATCHSET_CACHE"
+_KEYS = ("name", "version", "sdist", "sha256", "local-version")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """The pinned upstream release and the fork's PEP 440 local version label."""
+
+    name: str
+    version: str
+    sdist: str
+    sha256: str
+    local_version: str
+
+    @property
+    def fork_version(self) -> str:
+        """The version the fork's distributions carry, e.g. ``2.6.6+patchset.1``."""
+        return f"{self.version}+{self.local_version}"
+
+
+def read_pin(project: Path) -> Pin:
+    """Parse ``patches/upstream.pin`` (``key = value`` lines, ``#`` comments)."""
+    path = project / PIN_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as err:
+        raise PatchsetError(f"{path}: the upstream pin file is missing") from err
+    values: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if not sep or key not in _KEYS or not value:
+            raise PatchsetError(f"{path}:{lineno}: expected `key = value` with key one of {', '.join(_KEYS)}")
+        values[key] = value
+    missing = [key for key in _KEYS if key not in values]
+    if missing:
+        raise PatchsetError(f"{path}: missing {', '.join(missing)}")
+    sha = values["sha256"].lower()
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise PatchsetError(f"{path}: sha256 must be 64 hex digits, got {values['sha256']!r}")
+    return Pin(values["name"], values["version"], values["sdist"], sha, values["local-version"])
+
+
+def cache_dir() -> Path:
+    """Where downloaded sdists and materialized trees are kept (``$LIGHTNING_PATCHSET_CACHE`` overrides)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning-patchset"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _verified(path: Path, pin: Pin, origin: str) -> Path:
+    actual = file_sha256(path)
+    if actual != pin.sha256:
+        raise PatchsetError(
+            f"{origin}: sha256 {actual} does not match the pinned {pin.sha256} of {pin.sdist}"
+            f" ({PIN_FILE}); nothing was built"
+        )
+    return path
+
+
+def fetch_sdist(pin: Pin) -> Path:
+    """Return a verified local copy of the pinned sdist.
+
+    ``$LIGHTNING_PATCHSET_SDIST`` may name a local file (offline use, mirrors). Otherwise the cache is used, and on a
+    miss the sdist is downloaded with ``pip download`` so the user's index configuration applies.
+    """
+    override = os.environ.get(SDIST_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise PatchsetError(f"{SDIST_ENV}={override}: no such file (expected {pin.sdist})")
+        return _verified(path, pin, f"{SDIST_ENV}={override}")
+
+    cached = cache_dir() / "sdist" / pin.sha256 / pin.sdist
+    if cached.is_file():
+        return _verified(cached, pin, str(cached))
+
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        cmd += ["--dest", tmp, f"{pin.name}=={pin.version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        downloaded = Path(tmp) / pin.sdist
+        if proc.returncode != 0 or not downloaded.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise PatchsetError(
+                f"could not download {pin.sdist} with pip ({tail[0]}); set {SDIST_ENV} to a local copy for offline use"
+            )
+        _verified(downloaded, pin, f"downloaded {pin.sdist}")
+        os.replace(downloaded, cached)
+    return cached
+
+
+def extract_sdist(sdist: Path, dest: Path) -> None:
+    """Unpack ``sdist`` so that its single top-level folder's contents land directly in ``dest``."""
+    import tarfile
+
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        with tarfile.open(sdist) as tar:
+            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(tmp, **kwargs)  # noqa: S202 - the archive's hash was verified against the pin
+        roots = list(Path(tmp).iterdir())
+        if len(roots) != 1 or not roots[0].is_dir():
+            raise PatchsetError(f"{sdist}: expected one top-level folder in the sdist, found {len(roots)} entries")
+        shutil.move(str(roots[0]), str(dest))

@@ -1,0 +1,142 @@
+"""The patch series: the order file, and the DEP-3 style fields each patch carries in its message."""
+
+from __future__ import annotations
+
+import email.header
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchset import PatchsetError
+
+SERIES_FILE = Path("patches") / "series"
+CHANGELOG_SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed")
+# Trailers kept in the fork only: they describe the patch's life here, not the upstream change.
+FORK_TRAILERS = ("Forwarded", "Applied-Upstream", "Changelog", "New-Files", "Bug", "Mirrors")
+_CHANGELOG = re.compile(r"^(fabric|pytorch) (" + "|".join(CHANGELOG_SECTIONS) + r"): (.+)$")
+
+
+@dataclass(frozen=True)
+class ChangelogEntry:
+    """One CHANGELOG line: the package whose CHANGELOG gets it, the Keep a Changelog section, the text."""
+
+    package: str
+    section: str
+    text: str
+
+
+@dataclass
+class Patch:
+    """A patch file of the series, with the fields parsed from its message."""
+
+    path: Path
+    subject: str
+    trailers: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def field(self, key: str) -> str:
+        values = self.trailers.get(key, [])
+        return values[0] if values else ""
+
+    @property
+    def forwarded(self) -> str:
+        return self.field("Forwarded") or "no"
+
+    @property
+    def upstreamable(self) -> bool:
+        """Patches marked ``Forwarded: not-needed`` are fork packaging, never sent upstream."""
+        return self.forwarded != "not-needed"
+
+    @property
+    def new_files(self) -> list[str]:
+        """Globs of the patch set's new files (tests, docs, modules) that belong to this patch's upstream PR."""
+        return [glob for value in self.trailers.get("New-Files", []) for glob in value.split()]
+
+    def owns(self, relpath: str) -> bool:
+        return any(fnmatch.fnmatchcase(relpath, glob) for glob in self.new_files)
+
+    @property
+    def changelog(self) -> list[ChangelogEntry]:
+        entries = []
+        for value in self.trailers.get("Changelog", []):
+            match = _CHANGELOG.match(value)
+            if not match:
+                raise PatchsetError(
+                    f"{self.name}: bad Changelog field {value!r}; expected `<fabric|pytorch> <Section>: <text>`"
+                    f" with Section one of {', '.join(CHANGELOG_SECTIONS)}"
+                )
+            entries.append(ChangelogEntry(*match.groups()))
+        return entries
+
+
+def _decode_subject(raw: str) -> str:
+    parts = email.header.decode_header(raw)
+    text = "".join(p.decode(enc or "utf-8") if isinstance(p, bytes) else p for p, enc in parts)
+    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", text)
+
+
+def parse_patch(path: Path) -> Patch:
+    """Read a ``git format-patch`` mbox: its subject and the ``Key: value`` trailers of its message."""
+    text = path.read_text(encoding="utf-8")
+    head, sep, rest = text.partition("\n\n")
+    if not sep:
+        raise PatchsetError(f"{path.name}: not a git format-patch file (no header block)")
+    header_lines = head.splitlines()
+    subject_parts: list[str] = []
+    for i, line in enumerate(header_lines):
+        if line.startswith("Subject:"):
+            subject_parts.append(line[len("Subject:") :].strip())
+            subject_parts.extend(cont.strip() for cont in header_lines[i + 1 :] if cont[:1] in (" ", "\t"))
+            break
+    if not subject_parts:
+        raise PatchsetError(f"{path.name}: no Subject header")
+    message = re.split(r"\n---\n|\ndiff --git ", "\n" + rest, maxsplit=1)[0]
+    trailers: dict[str, list[str]] = {}
+    # Trailers are the last paragraph of the message.
+    last_paragraph = message.strip().split("\n\n")[-1]
+    for line in last_paragraph.splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and re.fullmatch(r"[A-Za-z][A-Za-z-]*", key):
+            trailers.setdefault(key, []).append(value.strip())
+    return Patch(path, _decode_subject(" ".join(subject_parts)), trailers)
+
+
+def read_series(project: Path) -> list[Patch]:
+    """The patches named in ``patches/series``, in order (one file name a line, ``#`` comments)."""
+    series = project / SERIES_FILE
+    if not series.is_file():
+        raise PatchsetError(f"{series}: the series (order) file is missing")
+    patches = []
+    for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), 1):
+        name = raw.split("#", 1)[0].strip()
+        if not name:
+            continue
+        path = series.parent / name
+        if not path.is_file():
+            raise PatchsetError(f"{series}:{lineno}: names {name}, which is not in patches/")
+        patches.append(parse_patch(path))
+    return patches
+
+
+def write_series(project: Path, names: list[str]) -> None:
+    """Rewrite the series file, keeping its leading comment block."""
+    series = project / SERIES_FILE
+    comments = []
+    if series.is_file():
+        for line in series.read_text(encoding="utf-8").splitlines():
+            if not line.startswith("#"):
+                break
+            comments.append(line)
+    series.write_text("\n".join([*comments, *names]) + "\n", encoding="utf-8")
+
+
+def series_digest_material(project: Path) -> bytes:
+    """The bytes that identify the series: order and every patch's content."""
+    chunks = []
+    for patch in read_series(project):
+        chunks.append(patch.name.encode() + b"\0" + patch.path.read_bytes())
+    return b"\0\0".join(chunks)
