@@ -144,6 +144,7 @@ def patched_tree(project: Path) -> Path:
     pin = read_pin(project)
     patches = read_series(project)
     final = cache_dir() / "trees" / tree_key(project, pin)
+    fetch_sdist(pin)  # verifies the sdist (and a $LIGHTNING_PATCHSET_SDIST override) even when the tree is cached
     if (final / ".complete").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -106,13 +107,18 @@ def fetch_sdist(pin: Pin) -> Path:
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        if all(importlib.util.find_spec(name) for name in ("setuptools", "wheel", "packaging")):
+            # pip reads the sdist's metadata; with its build requirements at hand, skip an isolated environment
+            cmd.append("--no-build-isolation")
         cmd += ["--dest", tmp, f"{pin.name}=={pin.version}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         downloaded = Path(tmp) / pin.sdist
         if proc.returncode != 0 or not downloaded.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            lines = (proc.stderr + proc.stdout).strip().splitlines()
+            reason = next((ln for ln in lines if ln.startswith("ERROR:")), lines[-1] if lines else "no output")
             raise PatchsetError(
-                f"could not download {pin.sdist} with pip ({tail[0]}); set {SDIST_ENV} to a local copy for offline use"
+                f"could not download {pin.sdist} with pip ({reason.strip()}); set {SDIST_ENV} to a local copy"
+                " for offline use"
             )
         _verified(downloaded, pin, f"downloaded {pin.sdist}")
         os.replace(downloaded, cached)

@@ -75,18 +75,19 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
         raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
     if not is_clean(onto):
         raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+    new_files = [f for f in overlay_files(project) if patch.owns(f)]
+    clashes = [rel for rel in new_files if (onto / rel).exists()]
+    if clashes:
+        raise PatchsetError(f"{clashes[0]} already exists in {onto}; a new file of the patch set cannot replace it")
     branch = branch or "patchset/" + patch.name.removesuffix(".patch").split("-", 1)[-1]
     git(onto, "checkout", "-q", "-b", branch)
     try:
         if git(onto, "am", "-q", "-3", str(patch.path), check=False).returncode != 0:
             git(onto, "am", "--abort", check=False)
             raise PatchsetError(f"{patch.name} does not apply to {onto} ({out(onto, 'rev-parse', '--short', 'HEAD')})")
-        for rel in (f for f in overlay_files(project) if patch.owns(f)):
-            target = onto / rel
-            if target.exists():
-                raise PatchsetError(f"{rel} already exists in {onto}; a new file of the patch set cannot replace it")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(project / rel, target)
+        for rel in new_files:
+            (onto / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(project / rel, onto / rel)
         for entry in patch.changelog:
             changelog = onto / CHANGELOG_PATHS[entry.package]
             if not changelog.is_file():
@@ -96,6 +97,7 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
         message = _clean_message(out(onto, "log", "-1", "--format=%B"))
         git(onto, "commit", "-q", "--amend", "--no-verify", "-F", "-", input=message.encode())
     except PatchsetError:
+        git(onto, "add", "-A", check=False)
         git(onto, "reset", "-q", "--hard", check=False)
         git(onto, "checkout", "-q", "-", check=False)
         git(onto, "branch", "-q", "-D", branch, check=False)

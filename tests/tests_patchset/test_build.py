@@ -1,0 +1,159 @@
+"""Build, install and import the fork for real: the in-tree backend, a fresh venv, an sdist, git+file, editable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import copy_project, git, write
+
+pytestmark = pytest.mark.slow
+
+DEMO = "src/lightning/fabric/utilities/_patchset_demo.py"
+FORK = "2.6.6+patchset.1"
+
+
+@pytest.fixture
+def demo_project(project: Path) -> Path:
+    write(project / DEMO, 'GREETING = "hello"\n')
+    return project
+
+
+def _venv(path: Path) -> Path:
+    """A fresh venv with its own site-packages that also sees, after its own, this environment's (torch, setuptools)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    python = path / "bin" / "python"
+    (_site_packages(python) / "_parent_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def _site_packages(python: Path) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+def _pip(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """This environment's pip, acting on the environment of ``python``."""
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def _import(python: Path, code: str) -> str:
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch):
+    from patchset import backend
+
+    monkeypatch.chdir(demo_project)
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "wheel").mkdir()
+    meta_name = backend.prepare_metadata_for_build_wheel(str(tmp_path / "meta"))
+    assert meta_name == f"lightning-{FORK}.dist-info"
+    wheel_name = backend.build_wheel(str(tmp_path / "wheel"))
+    assert wheel_name == f"lightning-{FORK}-py3-none-any.whl"
+    with zipfile.ZipFile(tmp_path / "wheel" / wheel_name) as whl:
+        names = whl.namelist()
+        metadata = whl.read(f"{meta_name}/METADATA")
+        setup = whl.read("lightning/__setup__.py").decode()
+        version_file = whl.read("lightning/version.info").decode()
+    assert metadata == (tmp_path / "meta" / meta_name / "METADATA").read_bytes()
+    assert b"Requires-Dist: pytorch-lightning" not in metadata
+    assert f"Version: {FORK}".encode() in metadata
+    assert "lightning/fabric/utilities/_patchset_demo.py" in names
+    assert "the index would be an unpatched copy" in setup  # patch 0001 is in the built code
+    assert version_file.strip() == FORK
+    stray = [n for n in names if not n.startswith(("lightning/", f"lightning-{FORK}.dist-info/"))]
+    assert stray == []
+    assert not any("/tests/" in n or n.endswith(".pyc") for n in names)
+    assert not (demo_project / "build").exists() and not list(demo_project.glob("src/*.egg-info"))
+
+
+def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
+    python = _venv(tmp_path / "venv")
+    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))
+    assert proc.returncode == 0, proc.stderr
+    site = _site_packages(python)
+    out = _import(python, "import lightning, lightning.fabric.utilities._patchset_demo as d; "
+                  "print(lightning.__version__, lightning.__file__, d.GREETING)")
+    version, location, greeting = out.split()
+    assert (version, greeting) == (FORK, "hello")
+    assert Path(location).is_relative_to(site)
+
+
+def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tmp_path: Path, monkeypatch):
+    from patchset import backend
+
+    monkeypatch.chdir(demo_project)
+    (tmp_path / "sdist").mkdir()
+    (demo_project / ".work").mkdir(exist_ok=True)
+    (demo_project / ".work" / "junk").write_text("not for the sdist\n")
+    name = backend.build_sdist(str(tmp_path / "sdist"))
+    assert name == f"lightning-{FORK}.tar.gz"
+    with tarfile.open(tmp_path / "sdist" / name) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    for required in ("PKG-INFO", "pyproject.toml", "patches/upstream.pin", "patches/series", DEMO,
+                     "tools/patchset/backend.py"):
+        assert required in members
+    assert not any(m.startswith((".work", ".git/")) or m.endswith(".pyc") for m in members)
+    assert not any(m.endswith("__init__.py") and m.startswith("src/lightning/") for m in members)  # no upstream code
+    proc = _pip(Path(sys.executable), "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "whl"),
+                str(tmp_path / "sdist" / name))
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in (tmp_path / "whl").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
+
+
+def test_pip_install_from_git(demo_project: Path, tmp_path: Path):
+    git(demo_project, "init", "-q")
+    git(demo_project, "add", "-A")
+    git(demo_project, "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-qm", "fork")
+    python = _venv(tmp_path / "venv")
+    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", f"lightning @ git+file://{demo_project}")
+    assert proc.returncode == 0, proc.stderr
+    assert _import(python, "import lightning; print(lightning.__version__)") == FORK
+
+
+def test_editable_install_picks_up_an_edit(demo_project: Path, tmp_path: Path):
+    python = _venv(tmp_path / "venv")
+    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(demo_project))
+    assert proc.returncode == 0, proc.stderr
+    code = "import lightning.fabric.utilities._patchset_demo as d; print(d.GREETING)"
+    assert _import(python, code) == "hello"
+    (demo_project / DEMO).write_text('GREETING = "edited"\n')
+    assert _import(python, code) == "edited"
+    assert _import(python, "import lightning; print(lightning.__version__)") == FORK
+
+
+def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Path, tmp_path: Path):
+    fake_dir = tmp_path / "lightning-2.6.6"
+    write(fake_dir / "setup.py", "raise SystemExit('never run')\n")
+    fake = tmp_path / "lightning-2.6.6.tar.gz"
+    with tarfile.open(fake, "w:gz") as tar:
+        tar.add(fake_dir, arcname="lightning-2.6.6")
+    python = _venv(tmp_path / "venv")
+    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project),
+                env={"LIGHTNING_PATCHSET_SDIST": str(fake)})
+    assert proc.returncode != 0
+    errors = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "does not match the pinned" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"error: LIGHTNING_PATCHSET_SDIST={fake}: sha256 ")
+    assert not (_site_packages(python) / "lightning").exists()
+
+
+def test_cli_build_and_install_refuse_a_bad_pin_before_touching_the_environment(tmp_path: Path, run_cli):
+    project = copy_project(tmp_path / "project")
+    pin = project / "patches" / "upstream.pin"
+    pin.write_text(pin.read_text().replace("sha256 = ", "sha256 = 0", 1))
+    proc = run_cli(project, "install")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("patchset: error: ")
+    assert "sha256 must be 64 hex digits" in proc.stderr
+    assert sysconfig.get_paths()["purelib"]  # the running environment still has its lightning untouched

@@ -1,0 +1,94 @@
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import write
+from patchset import PatchsetError
+from patchset.pin import SDIST_ENV, fetch_sdist, file_sha256, read_pin
+
+
+def test_pin_names_the_fork_version(project: Path):
+    pin = read_pin(project)
+    assert (pin.name, pin.version, pin.sdist) == ("lightning", "2.6.6", "lightning-2.6.6.tar.gz")
+    assert pin.fork_version == "2.6.6+patchset.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("name = lightning\n", "missing version, sdist, sha256, local-version"),
+        ("name lightning\n", "expected `key = value`"),
+        ("colour = blue\n", "expected `key = value`"),
+        (
+            "name = a\nversion = 1\nsdist = a-1.tar.gz\nsha256 = abc\nlocal-version = x.1\n",
+            "sha256 must be 64 hex digits, got 'abc'",
+        ),
+    ],
+)
+def test_bad_pin_is_a_clear_error(project: Path, text: str, message: str):
+    write(project / "patches" / "upstream.pin", text)
+    with pytest.raises(PatchsetError, match="upstream.pin") as err:
+        read_pin(project)
+    assert message in str(err.value)
+
+
+def test_missing_pin(tmp_path: Path):
+    with pytest.raises(PatchsetError, match="the upstream pin file is missing"):
+        read_pin(tmp_path)
+
+
+def test_local_sdist_override_is_verified(project: Path, upstream_sdist: Path, monkeypatch, tmp_path: Path):
+    copy = tmp_path / "mirror" / upstream_sdist.name
+    copy.parent.mkdir()
+    shutil.copy(upstream_sdist, copy)
+    monkeypatch.setenv(SDIST_ENV, str(copy))
+    assert fetch_sdist(read_pin(project)) == copy
+
+
+def test_hash_mismatch_names_the_file_and_both_hashes(project: Path, monkeypatch, tmp_path: Path):
+    fake = tmp_path / "lightning-2.6.6.tar.gz"
+    src = write(tmp_path / "lightning-2.6.6" / "setup.py", "raise SystemExit('must never run')\n")
+    with tarfile.open(fake, "w:gz") as tar:
+        tar.add(src.parent, arcname="lightning-2.6.6")
+    monkeypatch.setenv(SDIST_ENV, str(fake))
+    with pytest.raises(PatchsetError) as err:
+        fetch_sdist(read_pin(project))
+    message = str(err.value)
+    assert str(fake) in message
+    assert file_sha256(fake) in message
+    assert read_pin(project).sha256 in message
+    assert "nothing was built" in message
+
+
+def test_missing_override_file(project: Path, monkeypatch, tmp_path: Path):
+    monkeypatch.setenv(SDIST_ENV, str(tmp_path / "nope.tar.gz"))
+    with pytest.raises(PatchsetError, match="no such file"):
+        fetch_sdist(read_pin(project))
+
+
+def test_download_goes_through_pip_and_the_cache(project: Path, monkeypatch, tmp_path: Path, upstream_sdist: Path):
+    """A cold cache downloads with pip (the user's index settings apply); a warm one does not."""
+    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(SDIST_ENV, raising=False)
+    # seed pip's source with the already verified sdist so no network is needed: a local find-links index
+    links = tmp_path / "links"
+    links.mkdir()
+    shutil.copy(upstream_sdist, links / upstream_sdist.name)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    first = fetch_sdist(read_pin(project))
+    assert first == tmp_path / "cache" / "sdist" / read_pin(project).sha256 / "lightning-2.6.6.tar.gz"
+    assert file_sha256(first) == read_pin(project).sha256
+    (links / upstream_sdist.name).unlink()  # a second fetch must not need pip's source any more
+    assert fetch_sdist(read_pin(project)) == first
+
+
+def test_download_failure_says_how_to_work_offline(project: Path, monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(SDIST_ENV, raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(PatchsetError, match=f"could not download lightning-2.6.6.tar.gz with pip.*{SDIST_ENV}"):
+        fetch_sdist(read_pin(project))
+    assert not list((tmp_path / "cache").rglob("*.tar.gz"))

@@ -1,0 +1,130 @@
+"""upstream-pr against a git repository built from the real sdist."""
+
+from pathlib import Path
+
+import pytest
+from conftest import git, write
+from patchset import PatchsetError
+from patchset.export import export
+from patchset.materialize import base_repo, materialize_workspace
+from patchset.pin import read_pin
+from patchset.series import ChangelogEntry
+from patchset.upstream_pr import insert_changelog, upstream_pr
+
+MESSAGE = """fabric: add a demo helper
+
+Why: the demo needs it.
+
+Bug: https://github.com/Lightning-AI/pytorch-lightning/issues/21308
+Mirrors: https://github.com/Lightning-AI/pytorch-lightning/pull/21309
+Forwarded: no
+Applied-Upstream: no
+New-Files: src/lightning/fabric/utilities/_demo.py tests/tests_fabric/utilities/test_demo*.py
+Changelog: fabric Fixed: Fixed the demo ([#21308](https://github.com/Lightning-AI/pytorch-lightning/issues/21308))
+"""
+
+
+@pytest.fixture
+def demo_project(project: Path) -> Path:
+    write(project / "src/lightning/fabric/utilities/_demo.py", "VALUE = 1\n")
+    write(project / "tests/tests_fabric/utilities/test_demo.py", "def test_demo():\n    assert True\n")
+    write(project / "tests/tests_fabric/utilities/test_unrelated.py", "def test_other():\n    assert True\n")
+    workspace = materialize_workspace(project)
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + "from lightning.fabric.utilities._demo import VALUE  # noqa: F401\n")
+    git(workspace, "commit", "-qam", MESSAGE)
+    export(project)
+    return project
+
+
+@pytest.fixture
+def upstream_checkout(project: Path, tmp_path: Path) -> Path:
+    onto = tmp_path / "upstream"
+    base_repo(read_pin(project), onto)
+    return onto
+
+
+def test_upstream_pr_is_one_clean_commit(demo_project: Path, upstream_checkout: Path, tmp_path: Path):
+    onto = upstream_checkout
+    branch = upstream_pr(demo_project, "2", onto, out_dir=tmp_path / "series")
+    assert branch == "patchset/fabric-add-a-demo-helper"
+    assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == branch
+    assert git(onto, "rev-list", "--count", "upstream..HEAD") == "1"
+    changed = git(onto, "show", "--name-only", "--format=", "HEAD").splitlines()
+    assert sorted(changed) == [
+        "src/lightning/fabric/CHANGELOG.md",
+        "src/lightning/fabric/utilities/__init__.py",
+        "src/lightning/fabric/utilities/_demo.py",
+        "tests/tests_fabric/utilities/test_demo.py",
+    ]
+    message = git(onto, "log", "-1", "--format=%B")
+    assert message.splitlines()[0] == "fabric: add a demo helper"
+    assert "Forwarded" not in message and "Changelog:" not in message and "New-Files" not in message
+    assert message.rstrip().endswith("Fixes #21308")
+    changelog = (onto / "src/lightning/fabric/CHANGELOG.md").read_text()
+    unreleased = changelog.split("\n## [2.")[0]
+    fixed = unreleased.split("### Fixed")[1]
+    assert fixed.strip().startswith("- Fixed the demo ([#21308]")
+    assert "\n-\n" not in fixed  # the empty placeholder was replaced
+    assert [p.name for p in (tmp_path / "series").iterdir()] == ["0001-fabric-add-a-demo-helper.patch"]
+
+
+def test_fork_packaging_patch_has_no_upstream_pr(demo_project: Path, upstream_checkout: Path):
+    with pytest.raises(PatchsetError, match="fork packaging \\(Forwarded: not-needed\\)"):
+        upstream_pr(demo_project, "0001", upstream_checkout)
+
+
+def test_refuses_a_dirty_checkout_and_unknown_patches(demo_project: Path, upstream_checkout: Path):
+    with pytest.raises(PatchsetError, match="9: no such patch in patches/series"):
+        upstream_pr(demo_project, "9", upstream_checkout)
+    (upstream_checkout / "README.md").write_text("local edit\n")
+    with pytest.raises(PatchsetError, match="uncommitted changes"):
+        upstream_pr(demo_project, "2", upstream_checkout)
+
+
+def test_a_new_file_that_exists_upstream_leaves_the_checkout_as_it_was(demo_project: Path, upstream_checkout: Path):
+    write(upstream_checkout / "tests/tests_fabric/utilities/test_demo.py", "# upstream's own\n")
+    git(upstream_checkout, "add", "-A")
+    git(upstream_checkout, "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-qm", "upstream has it")
+    head = git(upstream_checkout, "rev-parse", "HEAD")
+    with pytest.raises(PatchsetError, match="tests/tests_fabric/utilities/test_demo.py already exists"):
+        upstream_pr(demo_project, "2", upstream_checkout)
+    assert git(upstream_checkout, "rev-parse", "HEAD") == head
+    assert git(upstream_checkout, "status", "--porcelain") == ""
+    assert "patchset/" not in git(upstream_checkout, "branch")
+
+
+def test_cli_upstream_pr(demo_project: Path, upstream_checkout: Path, run_cli):
+    proc = run_cli(demo_project, "upstream-pr", "0002", "--onto", str(upstream_checkout), "--branch", "pr-demo")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"created branch pr-demo in {upstream_checkout}"
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("## [unreleased]\n\n### Fixed\n\n-\n\n## [1.0]\n", "## [unreleased]\n\n### Fixed\n\n- X\n\n## [1.0]\n"),
+        (
+            "## [unreleased]\n\n### Fixed\n\n- A\n\n### Removed\n",
+            "## [unreleased]\n\n### Fixed\n\n- A\n\n- X\n\n### Removed\n",
+        ),
+        ("# C\n\n## [unreleased]\n\n### Added\n\n- A\n", "# C\n\n## [unreleased]\n\n### Fixed\n\n- X\n\n### Added\n\n- A\n"),
+    ],
+)
+def test_insert_changelog(before: str, after: str):
+    assert insert_changelog(before, ChangelogEntry("fabric", "Fixed", "X")) == after
+
+
+def test_insert_changelog_needs_a_release_heading():
+    with pytest.raises(PatchsetError, match="no `## ` release heading"):
+        insert_changelog("# Changelog\n", ChangelogEntry("fabric", "Fixed", "X"))
+
+
+def test_bad_changelog_field_is_named(demo_project: Path):
+    from patchset.check import check
+
+    patch = demo_project / "patches" / "0002-fabric-add-a-demo-helper.patch"
+    patch.write_text(patch.read_text().replace("Changelog: fabric Fixed:", "Changelog: fabric Repaired:"))
+    finding = check(demo_project)[1]
+    assert finding.ok is False
+    assert "bad Changelog field" in finding.message and "Repaired" in finding.message
