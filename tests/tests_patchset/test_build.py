@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import copy_project, git, write
+from patchset_helpers import copy_project, git, write
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import write
+from patchset_helpers import write
 from patchset import PatchsetError
 from patchset.pin import SDIST_ENV, fetch_sdist, file_sha256, read_pin
 

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import git, write
+from patchset_helpers import git, write
 from patchset import PatchsetError
 from patchset.export import export
 from patchset.materialize import base_repo, materialize_workspace

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import git, write
+from patchset_helpers import git, write
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
@@ -144,7 +144,7 @@ def test_patch_applying_only_with_offsets_must_be_re_exported(project: Path, run
 
 
 def test_cli_check_passes_on_this_repository(run_cli):
-    from conftest import REPO
+    from patchset_helpers import REPO
 
     proc = run_cli(REPO, "check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
