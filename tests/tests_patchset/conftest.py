@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
+import io
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REPO, TOOLS, copy_project
-
 from patchset.pin import fetch_sdist, read_pin
+from patchset_helpers import REPO, copy_project
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +25,19 @@ def project(tmp_path: Path, upstream_sdist: Path) -> Path:
 
 
 @pytest.fixture
-def run_cli():
-    """Run ``python -m patchset`` as a user would, in a subprocess; returns the completed process."""
+def run_cli(monkeypatch):
+    """Run the CLI as ``python -m patchset --project P ...`` would, in-process (so coverage sees it).
+
+    Returns an object with ``returncode``, ``stdout`` and ``stderr``.
+    """
+    from patchset.cli import main
 
     def run(project: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        full_env = {**os.environ, "PYTHONPATH": str(TOOLS), **(env or {})}
-        cmd = [sys.executable, "-m", "patchset", "--project", str(project), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env=full_env)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["--project", str(project), *args])
+        return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
     return run

@@ -50,9 +50,12 @@ def _import(python: Path, code: str) -> str:
     return proc.stdout.strip()
 
 
-def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch):
+def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch, upstream_sdist: Path):
     from patchset import backend
 
+    # a cold cache: the patched tree is made here, from a local copy of the sdist (no download)
+    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LIGHTNING_PATCHSET_SDIST", str(upstream_sdist))
     monkeypatch.chdir(demo_project)
     (tmp_path / "meta").mkdir()
     (tmp_path / "wheel").mkdir()
@@ -74,7 +77,9 @@ def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, 
     stray = [n for n in names if not n.startswith(("lightning/", f"lightning-{FORK}.dist-info/"))]
     assert stray == []
     assert not any("/tests/" in n or n.endswith(".pyc") for n in names)
-    assert not (demo_project / "build").exists() and not list(demo_project.glob("src/*.egg-info"))
+    assert not (demo_project / "build").exists()
+    assert not list(demo_project.glob("src/*.egg-info"))
+    assert len(list((tmp_path / "cache" / "trees").iterdir())) == 1  # made once, reused by the second hook
 
 
 def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
@@ -82,8 +87,11 @@ def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
     proc = _pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))
     assert proc.returncode == 0, proc.stderr
     site = _site_packages(python)
-    out = _import(python, "import lightning, lightning.fabric.utilities._patchset_demo as d; "
-                  "print(lightning.__version__, lightning.__file__, d.GREETING)")
+    out = _import(
+        python,
+        "import lightning, lightning.fabric.utilities._patchset_demo as d; "
+        "print(lightning.__version__, lightning.__file__, d.GREETING)",
+    )
     version, location, greeting = out.split()
     assert (version, greeting) == (FORK, "hello")
     assert Path(location).is_relative_to(site)
@@ -100,13 +108,26 @@ def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tm
     assert name == f"lightning-{FORK}.tar.gz"
     with tarfile.open(tmp_path / "sdist" / name) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
-    for required in ("PKG-INFO", "pyproject.toml", "patches/upstream.pin", "patches/series", DEMO,
-                     "tools/patchset/backend.py"):
+    for required in (
+        "PKG-INFO",
+        "pyproject.toml",
+        "patches/upstream.pin",
+        "patches/series",
+        DEMO,
+        "tools/patchset/backend.py",
+    ):
         assert required in members
     assert not any(m.startswith((".work", ".git/")) or m.endswith(".pyc") for m in members)
     assert not any(m.endswith("__init__.py") and m.startswith("src/lightning/") for m in members)  # no upstream code
-    proc = _pip(Path(sys.executable), "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "whl"),
-                str(tmp_path / "sdist" / name))
+    proc = _pip(
+        Path(sys.executable),
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(tmp_path / "whl"),
+        str(tmp_path / "sdist" / name),
+    )
     assert proc.returncode == 0, proc.stderr
     assert [p.name for p in (tmp_path / "whl").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
 
@@ -139,12 +160,18 @@ def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Pa
     with tarfile.open(fake, "w:gz") as tar:
         tar.add(fake_dir, arcname="lightning-2.6.6")
     python = _venv(tmp_path / "venv")
-    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project),
-                env={"LIGHTNING_PATCHSET_SDIST": str(fake)})
+    proc = _pip(
+        python,
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        str(demo_project),
+        env={"LIGHTNING_PATCHSET_SDIST": str(fake)},
+    )
     assert proc.returncode != 0
     errors = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "does not match the pinned" in line]
     assert len(errors) == 1
-    assert errors[0].startswith(f"error: LIGHTNING_PATCHSET_SDIST={fake}: sha256 ")
+    assert errors[0].startswith(f"patchset: error: LIGHTNING_PATCHSET_SDIST={fake}: sha256 ")
     assert not (_site_packages(python) / "lightning").exists()
 
 
@@ -157,3 +184,23 @@ def test_cli_build_and_install_refuse_a_bad_pin_before_touching_the_environment(
     assert proc.stderr.strip().startswith("patchset: error: ")
     assert "sha256 must be 64 hex digits" in proc.stderr
     assert sysconfig.get_paths()["purelib"]  # the running environment still has its lightning untouched
+
+
+def test_cli_build_then_install_into_another_environment(demo_project: Path, tmp_path: Path, run_cli):
+    python = _venv(tmp_path / "venv")
+    proc = run_cli(demo_project, "install", "--dist", str(tmp_path / "dist"), "--python", str(python))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(f"installed lightning-{FORK}-py3-none-any.whl")
+    assert [p.name for p in (tmp_path / "dist").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
+    site = _site_packages(python)
+    assert (site / "lightning" / "fabric" / "utilities" / "_patchset_demo.py").is_file()
+    assert _import(python, "import lightning; print(lightning.__version__)") == FORK
+
+
+def test_cli_build_reports_a_broken_patch_in_one_line(demo_project: Path, tmp_path: Path, run_cli):
+    patch = next((demo_project / "patches").glob("0001-*.patch"))
+    patch.write_text(patch.read_text().replace("unfreeze=", "defrost=", 1))
+    proc = run_cli(demo_project, "build", "--dist", str(tmp_path / "dist"))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"patchset: error: {patch.name} does not apply: src/lightning/__setup__.py, hunk `@@")
+    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())

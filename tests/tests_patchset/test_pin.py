@@ -3,9 +3,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import write
 from patchset import PatchsetError
 from patchset.pin import SDIST_ENV, fetch_sdist, file_sha256, read_pin
+from patchset_helpers import write
 
 
 def test_pin_names_the_fork_version(project: Path):
@@ -28,13 +28,13 @@ def test_pin_names_the_fork_version(project: Path):
 )
 def test_bad_pin_is_a_clear_error(project: Path, text: str, message: str):
     write(project / "patches" / "upstream.pin", text)
-    with pytest.raises(PatchsetError, match="upstream.pin") as err:
+    with pytest.raises(PatchsetError, match=r"upstream\.pin") as err:
         read_pin(project)
     assert message in str(err.value)
 
 
 def test_missing_pin(tmp_path: Path):
-    with pytest.raises(PatchsetError, match="the upstream pin file is missing"):
+    with pytest.raises(PatchsetError, match=r"the upstream pin file is missing"):
         read_pin(tmp_path)
 
 

@@ -4,12 +4,12 @@ import re
 from pathlib import Path
 
 import pytest
-from patchset_helpers import git, write
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
 from patchset.materialize import WORKSPACE, materialize_workspace
 from patchset.series import read_series
+from patchset_helpers import git, write
 
 
 def _patch_bytes(project: Path) -> dict[str, bytes]:
@@ -45,7 +45,7 @@ def test_edit_export_check_cycle(project: Path):
     first = read_series(project)[0].name
     setup = workspace / "src/lightning/__setup__.py"
     setup.write_text(setup.read_text().replace("self-contained;", "self-contained (edited);"))
-    with pytest.raises(PatchsetError, match="uncommitted changes"):
+    with pytest.raises(PatchsetError, match=r"uncommitted changes"):
         materialize_workspace(project)
     git(workspace, "commit", "-qam", "unused", "--amend", "--no-edit")
     assert export(project, check=True) == [first]
@@ -78,7 +78,7 @@ def test_force_discards_unexported_work(project: Path):
 
 def test_overlay_that_shadows_an_upstream_file_is_refused(project: Path, run_cli):
     write(project / "src/lightning/fabric/utilities/seed.py", "# a copy would go here\n")
-    with pytest.raises(PatchsetError, match="src/lightning/fabric/utilities/seed.py would shadow an upstream file"):
+    with pytest.raises(PatchsetError, match=r"src/lightning/fabric/utilities/seed\.py would shadow an upstream file"):
         materialize_workspace(project)
     assert not (project / WORKSPACE).exists()
     proc = run_cli(project, "materialize")
@@ -132,8 +132,15 @@ def test_patch_already_upstream_is_reported(project: Path, tmp_path: Path):
 def test_patch_applying_only_with_offsets_must_be_re_exported(project: Path, run_cli):
     patch = read_series(project)[0].path
     text = patch.read_text()
-    patch.write_text(re.sub(r"^@@ -(\d+),(\d+) \+(\d+),", lambda m: f"@@ -{int(m[1]) - 3},{m[2]} +{int(m[3]) - 3},",
-                            text, count=1, flags=re.M))
+    patch.write_text(
+        re.sub(
+            r"^@@ -(\d+),(\d+) \+(\d+),",
+            lambda m: f"@@ -{int(m[1]) - 3},{m[2]} +{int(m[3]) - 3},",
+            text,
+            count=1,
+            flags=re.M,
+        )
+    )
     findings = check(project)
     assert findings[0].ok is False
     assert findings[0].message == f"{patch.name} applies, but only with offsets: re-run `export`"
@@ -153,5 +160,20 @@ def test_cli_check_passes_on_this_repository(run_cli):
 
 def test_bad_series_entry(project: Path):
     (project / "patches" / "series").write_text("0009-missing.patch\n")
-    with pytest.raises(PatchsetError, match="series:1: names 0009-missing.patch, which is not in patches/"):
+    with pytest.raises(PatchsetError, match=r"series:1: names 0009-missing\.patch, which is not in patches/"):
         check(project)
+
+
+def test_python_dash_m_patchset_runs_as_a_program(tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    from patchset_helpers import TOOLS
+
+    env = {**os.environ, "PYTHONPATH": str(TOOLS)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "patchset", "--project", str(tmp_path), "check"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 1
+    assert proc.stderr == f"patchset: error: {tmp_path}/patches/upstream.pin: the upstream pin file is missing\n"

@@ -21,9 +21,21 @@ from patchset.materialize import build_tree
 from patchset.pin import read_pin
 
 _T = TypeVar("_T")
+ConfigSettings = dict[str, Any] | None
 EDITABLE_TREE = Path(".work") / "editable"
-# What a self-contained sdist of the patch set holds: everything but version control, caches and build output.
-_SDIST_SKIP = {"PKG-INFO", ".git", ".work", ".nox", ".github", "dist", "build", "__pycache__", ".pytest_cache", ".ruff_cache"}
+# A self-contained sdist of the patch set holds everything but version control, caches and build output.
+_SDIST_SKIP = {
+    "PKG-INFO",
+    ".git",
+    ".work",
+    ".nox",
+    ".github",
+    "dist",
+    "build",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+}
 _SDIST_SKIP_SUFFIXES = (".pyc", ".egg-info", ".coverage")
 
 
@@ -32,14 +44,14 @@ def _project() -> Path:
 
 
 def _reports_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
-    """Turn a :class:`PatchsetError` into one ``error:`` line and a failed hook, instead of a traceback."""
+    """Turn a :class:`PatchsetError` into one ``patchset: error:`` line and a failed hook, not a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> _T:
         try:
             return fn(*args, **kwargs)
         except PatchsetError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            print(f"patchset: error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
 
     return wrapper
@@ -64,12 +76,12 @@ def _fork_tree() -> Iterator[Path]:
 
 
 def _setuptools() -> Any:
-    import setuptools.build_meta
+    import setuptools.build_meta  # type: ignore[import-untyped,unused-ignore]
 
     return setuptools.build_meta
 
 
-def get_requires_for_build_wheel(config_settings: dict | None = None) -> list[str]:
+def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
     return []  # build-system.requires already lists what upstream's setup.py needs
 
 
@@ -78,29 +90,29 @@ get_requires_for_build_sdist = get_requires_for_build_wheel
 
 
 @_reports_errors
-def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: dict | None = None) -> str:
+def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
     target = os.path.abspath(metadata_directory)
     with _fork_tree():
-        return _setuptools().prepare_metadata_for_build_wheel(target, config_settings)
+        return str(_setuptools().prepare_metadata_for_build_wheel(target, config_settings))
 
 
 @_reports_errors
 def build_wheel(
-    wheel_directory: str, config_settings: dict | None = None, metadata_directory: str | None = None
+    wheel_directory: str, config_settings: ConfigSettings = None, metadata_directory: str | None = None
 ) -> str:
     target = os.path.abspath(wheel_directory)
     with _fork_tree():
-        return _setuptools().build_wheel(target, config_settings)
+        return str(_setuptools().build_wheel(target, config_settings))
 
 
 @_reports_errors
-def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: dict | None = None) -> str:
+def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
     return prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 
 @_reports_errors
 def build_editable(
-    wheel_directory: str, config_settings: dict | None = None, metadata_directory: str | None = None
+    wheel_directory: str, config_settings: ConfigSettings = None, metadata_directory: str | None = None
 ) -> str:
     """PEP 660: the installed fork points at ``.work/editable``, whose new files are links to this checkout's.
 
@@ -109,11 +121,11 @@ def build_editable(
     target = os.path.abspath(wheel_directory)
     tree = build_tree(_project(), _project() / EDITABLE_TREE, link=True)
     with _inside(tree):
-        return _setuptools().build_editable(target, config_settings)
+        return str(_setuptools().build_editable(target, config_settings))
 
 
 @_reports_errors
-def build_sdist(sdist_directory: str, config_settings: dict | None = None) -> str:
+def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """A self-contained sdist of the patch set: pin, patches, our files and this tool; upstream is fetched at build."""
     project = _project()
     pin = read_pin(project)

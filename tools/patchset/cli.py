@@ -66,13 +66,16 @@ def _build(args: argparse.Namespace) -> int:
 def _install(args: argparse.Namespace) -> int:
     from patchset.wheels import install
 
-    print(f"installed {install(args.project, args.dist, args.pip_args).name}")
+    print(f"installed {install(args.project, args.dist, args.python, args.pip_args).name}")
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m patchset``."""
     top = argparse.ArgumentParser(prog="patchset", description=__doc__)
-    top.add_argument("--project", type=Path, default=_DEFAULT_PROJECT, help="the patch set checkout (default: this one)")
+    top.add_argument(
+        "--project", type=Path, default=_DEFAULT_PROJECT, help="the patch set checkout (default: this one)"
+    )
     sub = top.add_subparsers(dest="command", required=True)
 
     cmd = sub.add_parser("materialize", help="make .work/tree: upstream base + one commit per patch + our files")
@@ -100,16 +103,18 @@ def parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--dist", type=Path, default=Path("dist"), help="where the wheel goes (default: dist)")
         if name == "install":
+            cmd.add_argument("--python", help="install into this interpreter's environment (default: the running one)")
             cmd.add_argument("pip_args", nargs="*", help="extra arguments for pip install (after --)")
         cmd.set_defaults(run=run)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a :class:`PatchsetError` becomes one ``patchset: error:`` line and exit code 1."""
     args = parser().parse_args(argv)
     args.project = args.project.resolve()
     try:
-        return args.run(args)
+        return int(args.run(args))
     except PatchsetError as err:
         print(f"patchset: error: {err}", file=sys.stderr)
         return 1

@@ -59,7 +59,7 @@ def planned_export(project: Path, workspace: Path) -> tuple[list[str], dict[str,
             names[i] = existing[i].name
             taken.add(existing[i].name)
     order, contents = [], {}
-    for i, (commit, name) in enumerate(zip(commits, names), 1):
+    for i, (commit, name) in enumerate(zip(commits, names, strict=True), 1):
         if name is None:
             name = f"{i:04d}-{_slug(out(workspace, 'log', '-1', '--format=%s', commit))}.patch"
         order.append(name)

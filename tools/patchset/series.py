@@ -36,14 +36,17 @@ class Patch:
 
     @property
     def name(self) -> str:
+        """The patch's file name."""
         return self.path.name
 
     def field(self, key: str) -> str:
+        """The first value of a message field, or ``""``."""
         values = self.trailers.get(key, [])
         return values[0] if values else ""
 
     @property
     def forwarded(self) -> str:
+        """DEP-3 ``Forwarded``: ``no``, ``not-needed`` or where it was sent."""
         return self.field("Forwarded") or "no"
 
     @property
@@ -57,10 +60,12 @@ class Patch:
         return [glob for value in self.trailers.get("New-Files", []) for glob in value.split()]
 
     def owns(self, relpath: str) -> bool:
+        """Whether one of our new files belongs to this patch's upstream PR."""
         return any(fnmatch.fnmatchcase(relpath, glob) for glob in self.new_files)
 
     @property
     def changelog(self) -> list[ChangelogEntry]:
+        """The CHANGELOG entries the patch carries for upstream; a malformed field is an error."""
         entries = []
         for value in self.trailers.get("Changelog", []):
             match = _CHANGELOG.match(value)

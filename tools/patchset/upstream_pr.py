@@ -26,7 +26,7 @@ def find_patch(project: Path, ref: str) -> Patch:
 
 
 def insert_changelog(text: str, entry: ChangelogEntry) -> str:
-    """Add ``entry`` under the first (unreleased) release heading's ``### <section>``, creating the section if needed."""
+    """Add ``entry`` under the first (unreleased) release's ``### <section>``, creating the section if needed."""
     lines = text.splitlines()
     release = next((i for i, line in enumerate(lines) if line.startswith("## ")), None)
     if release is None:

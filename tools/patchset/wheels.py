@@ -20,8 +20,13 @@ def build(project: Path, dist: Path) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
-            errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-            raise PatchsetError(errors[-1].removeprefix("error: ") if errors else f"pip wheel failed: {proc.stderr}")
+            # the backend's own one-line reason, if it gave one; otherwise pip's whole report
+            ours = [
+                line.split("patchset: error: ", 1)[1]
+                for line in proc.stderr.splitlines()
+                if "patchset: error: " in line
+            ]
+            raise PatchsetError(ours[0] if ours else f"pip wheel failed:\n{proc.stderr}")
         wheel = dist / wheels[0].name
         wheels[0].replace(wheel)
     if f"-{pin.fork_version}-" not in wheel.name:
@@ -29,10 +34,14 @@ def build(project: Path, dist: Path) -> Path:
     return wheel
 
 
-def install(project: Path, dist: Path, extra_args: list[str]) -> Path:
-    """Build the wheel first, then install it: a failed build installs nothing."""
+def install(project: Path, dist: Path, python: str | None, extra_args: list[str]) -> Path:
+    """Build the wheel first, then install it (into the environment of ``python``): a failed build installs nothing.
+
+    Only the fork is (re)installed; its dependencies are installed if missing.
+    """
     wheel = build(project, dist)
-    cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", str(wheel), *extra_args]
+    target = ["--python", python] if python else []
+    cmd = [sys.executable, "-m", "pip", *target, "install", "--force-reinstall", "--no-deps", str(wheel), *extra_args]
     if subprocess.run(cmd).returncode != 0:
         raise PatchsetError(f"pip could not install {wheel.name}")
     return wheel
