@@ -204,3 +204,58 @@ def test_cli_build_reports_a_broken_patch_in_one_line(demo_project: Path, tmp_pa
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"patchset: error: {patch.name} does not apply: src/lightning/__setup__.py, hunk `@@")
     assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("flavour", "distribution", "top_levels"),
+    [
+        ("pytorch", "pytorch_lightning", {"pytorch_lightning", "lightning_fabric"}),
+        ("fabric", "lightning_fabric", {"lightning_fabric"}),
+    ],
+)
+def test_flavours_carry_the_fixes_under_the_old_import_names(
+    demo_project: Path, tmp_path: Path, monkeypatch, flavour: str, distribution: str, top_levels: set[str]
+):
+    """PACKAGE_NAME=pytorch|fabric (upstream's switch) builds the mirrored distributions from the same patched tree."""
+    from patchset import backend
+
+    write(demo_project / DEMO, "from lightning.fabric.utilities.seed import seed_everything\n\nGREETING = 'hello'\n")
+    monkeypatch.setenv("PACKAGE_NAME", flavour)
+    monkeypatch.chdir(demo_project)
+    (tmp_path / "wheel").mkdir()
+    name = backend.build_wheel(str(tmp_path / "wheel"))
+    assert name == f"{distribution}-{FORK}-py3-none-any.whl"
+    with zipfile.ZipFile(tmp_path / "wheel" / name) as whl:
+        names = whl.namelist()
+        mirrored_demo = whl.read("lightning_fabric/utilities/_patchset_demo.py").decode()
+        metadata = whl.read(f"{distribution}-{FORK}.dist-info/METADATA").decode()
+    assert {n.split("/")[0] for n in names} == top_levels | {f"{distribution}-{FORK}.dist-info"}
+    assert "from lightning_fabric.utilities.seed import seed_everything" in mirrored_demo  # imports rewritten
+    assert f"Version: {FORK}" in metadata
+    assert "Requires-Dist: lightning\n" not in metadata
+    assert "Requires-Dist: pytorch-lightning" not in metadata
+
+    python = _venv(tmp_path / "venv")
+    proc = _pip(python, "install", "--no-deps", str(tmp_path / "wheel" / name))
+    assert proc.returncode == 0, proc.stderr
+    package = sorted(top_levels)[-1]
+    out = _import(
+        python,
+        f"import {package}, lightning_fabric.utilities._patchset_demo as d; "
+        f"print({package}.__version__, {package}.__file__, d.GREETING)",
+    )
+    version, location, greeting = out.split()
+    assert (version, greeting) == (FORK, "hello")
+    assert Path(location).is_relative_to(_site_packages(python))
+
+
+def test_unknown_flavour_is_one_clear_error(demo_project: Path, tmp_path: Path, monkeypatch, capsys):
+    from patchset import backend
+
+    monkeypatch.setenv("PACKAGE_NAME", "app")
+    monkeypatch.chdir(demo_project)
+    with pytest.raises(SystemExit):
+        backend.build_wheel(str(tmp_path))
+    assert capsys.readouterr().err == (
+        "patchset: error: PACKAGE_NAME='app': expected one of lightning, pytorch, fabric\n"
+    )

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from patchset import PatchsetError
+from patchset import PatchsetError, flavours
 from patchset.materialize import build_tree
 from patchset.pin import read_pin
 
@@ -69,8 +69,11 @@ def _inside(tree: Path) -> Iterator[Path]:
 
 @contextmanager
 def _fork_tree() -> Iterator[Path]:
+    flavour = flavours.requested()
     with tempfile.TemporaryDirectory(prefix="lightning-patchset-") as tmp:
         tree = build_tree(_project(), Path(tmp) / "tree")
+        if flavour is not None:
+            flavours.prepare(tree, flavour)
         with _inside(tree):
             yield tree
 

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.flavours import PACKAGE_NAME_ENV
 from patchset.pin import read_pin
 
 
-def build(project: Path, dist: Path) -> Path:
-    """Build the fork's wheel into ``dist`` with ``pip wheel`` and return its path."""
+def build(project: Path, dist: Path, flavour: str | None = None) -> Path:
+    """Build the fork's wheel into ``dist`` with ``pip wheel`` and return its path.
+
+    ``flavour`` (``pytorch`` or ``fabric``) builds the ``pytorch-lightning`` or ``lightning-fabric`` distribution.
+    """
     pin = read_pin(project)
     dist.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != PACKAGE_NAME_ENV}
+    if flavour:
+        env[PACKAGE_NAME_ENV] = flavour
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", tmp, str(project)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
             # the backend's own one-line reason, if it gave one; otherwise pip's whole report
@@ -34,12 +42,12 @@ def build(project: Path, dist: Path) -> Path:
     return wheel
 
 
-def install(project: Path, dist: Path, python: str | None, extra_args: list[str]) -> Path:
+def install(project: Path, dist: Path, python: str | None, extra_args: list[str], flavour: str | None = None) -> Path:
     """Build the wheel first, then install it (into the environment of ``python``): a failed build installs nothing.
 
     Only the fork is (re)installed; its dependencies are installed if missing.
     """
-    wheel = build(project, dist)
+    wheel = build(project, dist, flavour)
     target = ["--python", python] if python else []
     cmd = [sys.executable, "-m", "pip", *target, "install", "--force-reinstall", "--no-deps", str(wheel), *extra_args]
     if subprocess.run(cmd).returncode != 0:
