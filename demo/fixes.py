@@ -1,4 +1,7 @@
-"""A short tour of what the installed fork fixes. Run it after `pip install .`; it exits non-zero if a fix is missing."""
+"""A short tour of what the installed fork fixes.
+
+Run it after `pip install .`; it exits non-zero if a fix is missing.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import lightning
 
 
 def main() -> None:
+    """Show each fix at work."""
     print(f"lightning {lightning.__version__} from {lightning.__file__}")
     assert "+patchset." in lightning.__version__, "this is not the patch set's fork"
 
@@ -16,7 +20,7 @@ def main() -> None:
     assert not any(r.startswith("pytorch-lightning") for r in requires)
     print("0001 build: the fork does not pull the unpatched pytorch-lightning distribution")
     if importlib.util.find_spec("pytorch_lightning") is not None:
-        print("     note: a pytorch_lightning package is installed separately; it is unpatched (import lightning.pytorch)")
+        print("     note: a separately installed pytorch_lightning is unpatched; import lightning.pytorch instead")
 
 
 if __name__ == "__main__":
