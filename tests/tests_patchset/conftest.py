@@ -12,6 +12,14 @@ from patchset.pin import fetch_sdist, read_pin
 from patchset_helpers import REPO, copy_project
 
 
+@pytest.fixture(autouse=True)
+def git_identity(monkeypatch):
+    """Commits the tests make (and upstream-pr makes in a user's checkout) need an identity; CI machines have none."""
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Patch Set Tests")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", "tests@patchset.invalid")
+
+
 @pytest.fixture(scope="session")
 def upstream_sdist() -> Path:
     """The real pinned sdist (downloaded once into the cache)."""

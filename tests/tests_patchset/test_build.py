@@ -175,15 +175,56 @@ def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Pa
     assert not (_site_packages(python) / "lightning").exists()
 
 
-def test_cli_build_and_install_refuse_a_bad_pin_before_touching_the_environment(tmp_path: Path, run_cli):
+def test_cli_install_refuses_a_bad_pin_before_building(tmp_path: Path, run_cli):
     project = copy_project(tmp_path / "project")
     pin = project / "patches" / "upstream.pin"
     pin.write_text(pin.read_text().replace("sha256 = ", "sha256 = 0", 1))
-    proc = run_cli(project, "install")
+    proc = run_cli(project, "install", "--dist", str(tmp_path / "dist"))
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("patchset: error: ")
     assert "sha256 must be 64 hex digits" in proc.stderr
-    assert sysconfig.get_paths()["purelib"]  # the running environment still has its lightning untouched
+    assert not (tmp_path / "dist").exists()
+
+
+def test_cold_cache_inside_pips_build_hook(demo_project: Path, tmp_path: Path, upstream_sdist: Path):
+    """The backend downloads the sdist with pip from inside pip's own hook (no warm cache, no override)."""
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / upstream_sdist.name).write_bytes(upstream_sdist.read_bytes())
+    env = {"LIGHTNING_PATCHSET_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links)}
+    env = {**{k: v for k, v in os.environ.items() if k != "LIGHTNING_PATCHSET_SDIST"}, **env}
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w")]
+    proc = subprocess.run([*cmd, str(demo_project)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "w").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
+    assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))
+
+
+def test_sdist_leaves_out_junk_but_keeps_every_project_file(demo_project: Path, tmp_path: Path, monkeypatch):
+    from patchset import backend
+
+    for junk in (".coverage.host.123", "coverage.xml", "htmlcov/index.html", ".idea/x.xml", ".mypy_cache/x"):
+        write(demo_project / junk, "junk\n")
+    write(demo_project / "docs/build/keep.md", "a docs page in a folder named build\n")
+    write(demo_project / "tools/patchset/__pycache__/x.cpython-311.pyc", "bytes")
+    monkeypatch.chdir(demo_project)
+    files = backend.sdist_files(demo_project)
+    assert "docs/build/keep.md" in files
+    assert "patches/upstream.pin" in files
+    assert not [f for f in files if "coverage" in f or ".idea" in f or "cache" in f or f.endswith(".pyc")]
+
+
+def test_editable_flavour_is_refused_in_one_line(demo_project: Path, tmp_path: Path, monkeypatch, capsys):
+    from patchset import backend
+
+    monkeypatch.setenv("PACKAGE_NAME", "fabric")
+    monkeypatch.chdir(demo_project)
+    with pytest.raises(SystemExit):
+        backend.build_editable(str(tmp_path))
+    assert capsys.readouterr().err == (
+        "patchset: error: PACKAGE_NAME=fabric: editable installs build the lightning distribution only;"
+        " install lightning-fabric without -e\n"
+    )
 
 
 def test_cli_build_then_install_into_another_environment(demo_project: Path, tmp_path: Path, run_cli):

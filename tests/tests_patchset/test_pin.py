@@ -89,6 +89,6 @@ def test_download_failure_says_how_to_work_offline(project: Path, monkeypatch, t
     monkeypatch.delenv(SDIST_ENV, raising=False)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
-    with pytest.raises(PatchsetError, match=f"could not download lightning-2.6.6.tar.gz with pip.*{SDIST_ENV}"):
+    with pytest.raises(PatchsetError, match=f"could not download the lightning 2.6.6 sdist with pip.*{SDIST_ENV}"):
         fetch_sdist(read_pin(project))
     assert not list((tmp_path / "cache").rglob("*.tar.gz"))

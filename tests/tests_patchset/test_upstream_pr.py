@@ -132,3 +132,33 @@ def test_bad_changelog_field_is_named(demo_project: Path):
     finding = check(demo_project)[1]
     assert finding.ok is False
     assert "bad Changelog field 'fabric Repaired:" in finding.message
+
+
+def test_only_fork_fields_are_dropped_and_folded_lines_go_with_them(project: Path, upstream_checkout: Path):
+    workspace = materialize_workspace(project)
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + "# touched\n")
+    message = (
+        "fabric: touch utilities\n\nWhy.\n\n"
+        "Bug: https://github.com/Lightning-AI/pytorch-lightning/issues/1\n"
+        "Changelog: fabric Fixed: Fixed a long entry that wraps\n"
+        " onto a second line\n"
+        "Signed-off-by: A Dev <dev@example.com>\n"
+        "Forwarded: no\n"
+    )
+    git(workspace, "commit", "-qam", message)
+    export(project)
+    from patchset.series import read_series
+
+    patch = read_series(project)[1]
+    assert patch.changelog[0].text == "Fixed a long entry that wraps onto a second line"
+    upstream_pr(project, "2", upstream_checkout)
+    upstream_message = git(upstream_checkout, "log", "-1", "--format=%B")
+    assert upstream_message.splitlines()[-2:] == ["Signed-off-by: A Dev <dev@example.com>", "Fixes #1"]
+    assert "onto a second line" not in upstream_message
+    assert (
+        "- Fixed a long entry that wraps onto a second line"
+        in (upstream_checkout / "src/lightning/fabric/CHANGELOG.md").read_text()
+    )
+    # the maintainer's own identity commits in their checkout, not the tool's
+    assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == "Patch Set Tests <tests@patchset.invalid>"

@@ -1,6 +1,7 @@
 """materialize -> edit -> export -> check, with real git on the real pinned sdist."""
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_edit_export_check_cycle(project: Path):
     setup.write_text(setup.read_text().replace("self-contained;", "self-contained (edited);"))
     with pytest.raises(PatchsetError, match=r"uncommitted changes"):
         materialize_workspace(project)
-    git(workspace, "commit", "-qam", "unused", "--amend", "--no-edit")
+    git(workspace, "commit", "-qa", "--amend", "--no-edit")
     assert export(project, check=True) == [first]
     with pytest.raises(PatchsetError, match=f"has work not exported to patches/ \\({re.escape(first)}\\)"):
         materialize_workspace(project)
@@ -177,3 +178,84 @@ def test_python_dash_m_patchset_runs_as_a_program(tmp_path: Path):
     )
     assert proc.returncode == 1
     assert proc.stderr == f"patchset: error: {tmp_path}/patches/upstream.pin: the upstream pin file is missing\n"
+
+
+def test_export_and_materialize_refuse_a_paused_rebase(project: Path):
+    workspace = materialize_workspace(project)
+    write(workspace / "src/lightning/fabric/_one.py", "ONE = 1\n")
+    git(workspace, "add", "-A")
+    git(workspace, "commit", "-qm", "fabric: one\n\nForwarded: no")
+    export(project)
+    proc = subprocess.run(
+        ["git", "-C", str(workspace), "rebase", "-q", "-x", "false", "upstream"], capture_output=True, text=True
+    )
+    assert proc.returncode != 0  # stopped after the first commit, mid-rebase
+    before = {p.name: p.read_bytes() for p in (project / "patches").iterdir()}
+    with pytest.raises(PatchsetError, match=r"in the middle of a rebase"):
+        export(project)
+    with pytest.raises(PatchsetError, match=r"in the middle of a rebase"):
+        materialize_workspace(project)
+    assert {p.name: p.read_bytes() for p in (project / "patches").iterdir()} == before
+    materialize_workspace(project, force=True)
+    assert (project / ".work" / "previous-tree" / ".git" / "rebase-merge").is_dir()  # set aside, not deleted
+
+
+def test_a_stale_workspace_never_reverts_patches_that_changed_since(project: Path):
+    materialize_workspace(project)
+    patch = read_series(project)[0].path
+    patch.write_text(patch.read_text().replace("Applied-Upstream: no", "Applied-Upstream: no\nBug: none"))  # a pull
+    pulled = patch.read_bytes()
+    with pytest.raises(PatchsetError, match=r"patches/ changed since \.work/tree was materialized \(0001-"):
+        export(project)
+    assert patch.read_bytes() == pulled
+    materialize_workspace(project)  # nothing of the workspace's own is lost, so no complaint
+    assert export(project) == []
+    assert patch.read_bytes() == pulled
+    # --force is the explicit way to let the workspace win
+    patch.write_text(patch.read_text().replace("\nBug: none", ""))
+    assert export(project, force=True) == [patch.name]
+    assert "Bug: none" in patch.read_text()
+
+
+def test_a_commit_inserted_mid_series_renumbers_the_rest(project: Path):
+    workspace = materialize_workspace(project)
+    for name in ("alpha", "gamma"):
+        write(workspace / f"src/lightning/fabric/_{name}.py", "X = 1\n")
+        git(workspace, "add", "-A")
+        git(workspace, "commit", "-qm", f"fabric: {name}\n\nForwarded: no")
+    export(project)
+    assert [p.name for p in read_series(project)][1:] == ["0002-fabric-alpha.patch", "0003-fabric-gamma.patch"]
+    git(workspace, "checkout", "-q", "HEAD~1")
+    write(workspace / "src/lightning/fabric/_beta.py", "X = 1\n")
+    git(workspace, "add", "-A")
+    git(workspace, "commit", "-qm", "fabric: beta\n\nForwarded: no")
+    git(workspace, "cherry-pick", "main")
+    git(workspace, "branch", "-f", "main", "HEAD")
+    git(workspace, "checkout", "-q", "main")
+    assert export(project) == ["0003-fabric-beta.patch", "0003-fabric-gamma.patch", "0004-fabric-gamma.patch", "series"]
+    assert [p.name for p in read_series(project)][1:] == [
+        "0002-fabric-alpha.patch",
+        "0003-fabric-beta.patch",
+        "0004-fabric-gamma.patch",
+    ]
+    assert not (project / "patches" / "0003-fabric-gamma.patch").exists()
+
+
+def test_check_tells_a_message_difference_from_an_offset(project: Path):
+    patch = read_series(project)[0].path
+    patch.write_text(patch.read_text().replace("Forwarded: not-needed", "Forwarded: not-needed  "))
+    finding = check(project)[0]
+    assert (finding.ok, finding.message) == (False, f"{patch.name} applies, but not in exported form: re-run `export`")
+
+
+def test_a_workspace_folder_not_made_by_materialize_is_left_alone(project: Path):
+    write(project / ".work" / "tree" / "notes.txt", "mine\n")
+    with pytest.raises(PatchsetError, match=r"exists but was not made by `materialize`"):
+        materialize_workspace(project)
+    assert (project / ".work" / "tree" / "notes.txt").read_text() == "mine\n"
+
+
+def test_python_bytecode_in_the_workspace_is_not_work(project: Path):
+    workspace = materialize_workspace(project)
+    write(workspace / "src/lightning/__pycache__/x.cpython-311.pyc", "bytes")
+    materialize_workspace(project)  # no "uncommitted changes"

@@ -7,7 +7,9 @@ works on a fresh copy with our new files and the version label, so upstream's ``
 from __future__ import annotations
 
 import functools
+import io
 import os
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -23,20 +25,22 @@ from patchset.pin import read_pin
 _T = TypeVar("_T")
 ConfigSettings = dict[str, Any] | None
 EDITABLE_TREE = Path(".work") / "editable"
-# A self-contained sdist of the patch set holds everything but version control, caches and build output.
-_SDIST_SKIP = {
-    "PKG-INFO",
-    ".git",
-    ".work",
-    ".nox",
-    ".github",
-    "dist",
-    "build",
-    "__pycache__",
-    ".pytest_cache",
-    ".ruff_cache",
-}
-_SDIST_SKIP_SUFFIXES = (".pyc", ".egg-info", ".coverage")
+# What a self-contained sdist of the patch set holds (top-level entries); everything else (caches, build output,
+# editor files, coverage data) stays out.
+SDIST_CONTENTS = (
+    "pyproject.toml",
+    "README.md",
+    "LICENSE",
+    "CHANGELOG.md",
+    "patches",
+    "tools",
+    "src",
+    "tests",
+    "docs",
+    "demo",
+    "benchmarks",
+)
+_SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 
 
 def _project() -> Path:
@@ -110,6 +114,8 @@ def build_wheel(
 
 @_reports_errors
 def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
+    if flavours.requested() is not None:
+        raise PatchsetError(f"{flavours.PACKAGE_NAME_ENV}: editable installs build the lightning distribution only")
     return prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 
@@ -121,6 +127,12 @@ def build_editable(
 
     Edits to our new files take effect at once; after changing patches or adding files, install again.
     """
+    flavour = flavours.requested()
+    if flavour is not None:
+        raise PatchsetError(
+            f"{flavours.PACKAGE_NAME_ENV}={os.environ[flavours.PACKAGE_NAME_ENV]}: editable installs build the"
+            f" lightning distribution only; install {flavour.distribution} without -e"
+        )
     target = os.path.abspath(wheel_directory)
     tree = build_tree(_project(), _project() / EDITABLE_TREE, link=True)
     with _inside(tree):
@@ -137,22 +149,48 @@ def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) ->
         dist_info = prepare_metadata_for_build_wheel(meta_dir, config_settings)
         pkg_info = (Path(meta_dir) / dist_info / "METADATA").read_bytes()
     target = Path(sdist_directory).resolve() / f"{stem}.tar.gz"
-
-    def _skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        name = Path(info.name).name
-        if name in _SDIST_SKIP or name.endswith(_SDIST_SKIP_SUFFIXES) or name.startswith(".venv"):
-            return None
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        return info
-
     with tarfile.open(target, "w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for entry in sorted(project.iterdir()):
-            tar.add(entry, arcname=f"{stem}/{entry.name}", filter=_skip)
+        for rel in sdist_files(project):
+            info = tar.gettarinfo(str(project / rel), arcname=f"{stem}/{rel}")
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with open(project / rel, "rb") as fh:
+                tar.addfile(info, fh)
         info = tarfile.TarInfo(f"{stem}/PKG-INFO")
         info.size = len(pkg_info)
         info.mode = 0o644
-        import io
-
         tar.addfile(info, io.BytesIO(pkg_info))
     return target.name
+
+
+def sdist_files(project: Path) -> list[str]:
+    """The files of :data:`SDIST_CONTENTS`: those git knows (tracked or not ignored) in a checkout, else all."""
+    if (project / ".git").exists():
+        listed = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(project),
+                "ls-files",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+                "-z",
+                "--",
+                *SDIST_CONTENTS,
+            ],
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        candidates = [f for f in listed.split("\0") if f]
+    else:
+        candidates = [
+            path.relative_to(project).as_posix()
+            for entry in SDIST_CONTENTS
+            for path in ([project / entry] if (project / entry).is_file() else sorted((project / entry).rglob("*")))
+        ]
+    return sorted(
+        rel
+        for rel in candidates
+        if (project / rel).is_file() and not _SKIP_PARTS & set(rel.split("/")) and not rel.endswith((".pyc", ".pyo"))
+    )

@@ -41,10 +41,13 @@ def check(project: Path) -> list[Finding]:
                 findings.append(Finding(patch.name, False, _diagnose(repo, patch)))
                 continue
             git(repo, "am", "-q", "--keep-cr", str(patch.path))
-            if format_commit(repo, out(repo, "rev-parse", "HEAD")) != patch.path.read_bytes():
-                findings.append(
-                    Finding(patch.name, False, f"{patch.name} applies, but only with offsets: re-run `export`")
+            exported = format_commit(repo, out(repo, "rev-parse", "HEAD"))
+            if exported != patch.path.read_bytes():
+                diff = patch.path.read_bytes().partition(b"\ndiff --git ")[2]
+                what = (
+                    "only with offsets" if exported.partition(b"\ndiff --git ")[2] != diff else "not in exported form"
                 )
+                findings.append(Finding(patch.name, False, f"{patch.name} applies, but {what}: re-run `export`"))
             else:
                 findings.append(Finding(patch.name, True, f"{patch.name} applies to {pin.name} {pin.version} exactly"))
         try:

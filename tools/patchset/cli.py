@@ -1,4 +1,4 @@
-"""Command line: ``python -m patchset <command>`` (run ``tools/patchset-cli`` or set ``PYTHONPATH=tools``)."""
+"""Command line: ``python -m patchset <command>``, with this checkout's ``tools`` folder on ``PYTHONPATH``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,21 @@ def _upstream_pr(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rebase(args: argparse.Namespace) -> int:
+    from patchset.rebase import rebase
+
+    result = rebase(args.project, args.version, args.sdist, args.sha256)
+    print(f"pinned {result.pin.name} {result.pin.version} (sha256 {result.pin.sha256}) in patches/upstream.pin")
+    for subject in result.dropped:
+        print(f"dropped (already upstream): {subject}")
+    if result.stopped_at:
+        print(f"stopped at: {result.stopped_at}")
+        print("resolve the conflict in .work/tree, `git rebase --continue`, then run `export`")
+        return 1
+    print(f"replayed {result.replayed} patches; run `export`, then `check`")
+    return 0
+
+
 def _fetch(args: argparse.Namespace) -> int:
     from patchset.pin import fetch_sdist, read_pin
 
@@ -95,6 +110,12 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--branch", help="branch name (default: patchset/<patch name>)")
     cmd.add_argument("--format-patch", type=Path, metavar="DIR", help="also write the commit as a patch file here")
     cmd.set_defaults(run=_upstream_pr)
+
+    cmd = sub.add_parser("rebase", help="replay the series onto a new upstream release in .work/tree")
+    cmd.add_argument("version", help="the new upstream version, e.g. 2.6.7")
+    cmd.add_argument("--sdist", type=Path, help="a local copy of the new sdist (default: pip download)")
+    cmd.add_argument("--sha256", help="the new sdist's expected sha256")
+    cmd.set_defaults(run=_rebase)
 
     cmd = sub.add_parser("fetch", help="download (or find in the cache) the pinned sdist and print its path")
     cmd.set_defaults(run=_fetch)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import git, out
 from patchset.materialize import BASE_TAG, WORKSPACE, make_workspace
-from patchset.series import SERIES_FILE, read_series, write_series
+from patchset.series import SERIES_FILE
 
 _FORMAT_ARGS = (
     "format-patch",
@@ -23,6 +24,15 @@ _FORMAT_ARGS = (
     "--no-renames",
     "--encode-email-headers",
 )
+SERIES = SERIES_FILE.name
+# git states in which HEAD is not the workspace's real series
+_IN_PROGRESS = {
+    "rebase-merge": "a rebase",
+    "rebase-apply": "a rebase or `git am`",
+    "CHERRY_PICK_HEAD": "a cherry-pick",
+    "MERGE_HEAD": "a merge",
+    "REVERT_HEAD": "a revert",
+}
 
 
 def format_commit(repo: Path, commit: str) -> bytes:
@@ -33,73 +43,112 @@ def format_commit(repo: Path, commit: str) -> bytes:
     return head + sep + body
 
 
-def _slug(subject: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:52].rstrip("-") or "patch"
+def patch_name(position: int, subject: str) -> str:
+    """``NNNN-subject-slug.patch``, numbered by position in the series, as ``git format-patch`` names files."""
+    slug = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:52].rstrip("-") or "patch"
+    return f"{position:04d}-{slug}.patch"
 
 
-def planned_export(project: Path, workspace: Path) -> tuple[list[str], dict[str, bytes]]:
-    """The series order and patch contents that exporting ``workspace`` would write.
+def series_files(patches_dir: Path) -> dict[str, bytes]:
+    """The series file and every patch it names, by name (missing patches are left out)."""
+    series = patches_dir / SERIES
+    if not series.is_file():
+        return {}
+    files = {SERIES: series.read_bytes()}
+    for raw in series.read_text(encoding="utf-8").splitlines():
+        name = raw.split("#", 1)[0].strip()
+        if name and (patches_dir / name).is_file():
+            files[name] = (patches_dir / name).read_bytes()
+    return files
 
-    Commits are matched to existing patches by subject first, then by position; the rest get new names.
-    """
-    if not (workspace / ".git").exists():
+
+def _series_text(header_from: bytes | None, names: list[str]) -> bytes:
+    header = []
+    for line in (header_from or b"").decode("utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    return ("\n".join([*header, *names]) + "\n").encode("utf-8")
+
+
+def in_progress(workspace: Path) -> str | None:
+    """The git operation under way in ``workspace`` (a paused rebase, say), if any."""
+    return next((what for marker, what in _IN_PROGRESS.items() if (workspace / ".git" / marker).exists()), None)
+
+
+def planned_export(project: Path, workspace: Path) -> dict[str, bytes]:
+    """The series file and patches that exporting ``workspace`` would write, by name."""
+    if not (workspace / ".git").is_dir():
         raise PatchsetError(f"{workspace}: no workspace; run `materialize` first")
+    operation = in_progress(workspace)
+    if operation:
+        raise PatchsetError(f"{workspace} is in the middle of {operation}: finish or abort it first")
     commits = out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
-    existing = read_series(project)
-    by_subject = {p.subject: p.name for p in existing}
-    taken: set[str] = set()
-    names: list[str | None] = []
-    for commit in commits:
-        name = by_subject.get(out(workspace, "log", "-1", "--format=%s", commit))
-        names.append(name if name not in taken else None)
-        if name:
-            taken.add(name)
-    for i, name in enumerate(names):
-        if name is None and i < len(existing) and existing[i].name not in taken:
-            names[i] = existing[i].name
-            taken.add(existing[i].name)
-    order, contents = [], {}
-    for i, (commit, name) in enumerate(zip(commits, names, strict=True), 1):
-        if name is None:
-            name = f"{i:04d}-{_slug(out(workspace, 'log', '-1', '--format=%s', commit))}.patch"
-        order.append(name)
-        contents[name] = format_commit(workspace, commit)
-    return order, contents
+    files = {}
+    for position, commit in enumerate(commits, 1):
+        files[patch_name(position, out(workspace, "log", "-1", "--format=%s", commit))] = format_commit(
+            workspace, commit
+        )
+    current_series = project / "patches" / SERIES
+    header = current_series.read_bytes() if current_series.is_file() else None
+    return {SERIES: _series_text(header, list(files)), **files}
 
 
-def pending_changes(project: Path, workspace: Path) -> list[str]:
-    """Files under ``patches/`` that exporting ``workspace`` would create, change or delete."""
-    order, contents = planned_export(project, workspace)
-    patches_dir = project / "patches"
-    changed = [name for name, data in contents.items() if _read(patches_dir / name) != data]
-    changed += [p.name for p in read_series(project) if p.name not in contents]
-    if [p.name for p in read_series(project)] != order:
-        changed.append(SERIES_FILE.name)
-    return sorted(set(changed))
+def _changed(old: dict[str, bytes], new: dict[str, bytes]) -> list[str]:
+    return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
 
 
-def _read(path: Path) -> bytes | None:
-    return path.read_bytes() if path.is_file() else None
+def snapshot_dir(workspace: Path) -> Path:
+    """Where the workspace keeps the patches it was materialized from."""
+    return workspace / ".git" / "patchset-snapshot"
 
 
-def export(project: Path, check: bool = False) -> list[str]:
-    """Write the patches back (or with ``check``, only report what would change). Returns the changed names."""
+def record_snapshot(project: Path, workspace: Path) -> None:
+    """Remember ``patches/`` as the workspace now reflects it."""
+    target = snapshot_dir(workspace)
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    for name, data in series_files(project / "patches").items():
+        (target / name).write_bytes(data)
+
+
+def unexported_work(project: Path, workspace: Path) -> list[str]:
+    """What the workspace holds that ``patches/`` (as it was when materialized) does not: edits not yet exported."""
+    changes = _changed(series_files(snapshot_dir(workspace)), planned_export(project, workspace))
+    if git(workspace, "status", "--porcelain").stdout.strip():
+        changes.append("uncommitted changes")
+    return changes
+
+
+def export(project: Path, check: bool = False, force: bool = False) -> list[str]:
+    """Write the workspace's commits back as patches (with ``check``, only report). Returns the changed names.
+
+    Refuses when ``patches/`` changed since the workspace was materialized (a pull, say), since writing would revert
+    those changes, unless ``force``.
+    """
     workspace = project / WORKSPACE
+    current = series_files(project / "patches")
     if check:
         if workspace.exists():
-            return pending_changes(project, workspace)
+            return _changed(current, planned_export(project, workspace))
         # No workspace (CI, a fresh clone): re-export what the patches materialize to, which must be byte-identical.
         with tempfile.TemporaryDirectory() as tmp:
             make_workspace(project, Path(tmp) / "tree")
-            return pending_changes(project, Path(tmp) / "tree")
-    order, contents = planned_export(project, workspace)
-    changed = pending_changes(project, workspace)
+            return _changed(current, planned_export(project, Path(tmp) / "tree"))
+    planned = planned_export(project, workspace)
+    snapshot = series_files(snapshot_dir(workspace))
+    if not force and current != snapshot:
+        raise PatchsetError(
+            f"patches/ changed since {WORKSPACE} was materialized ({', '.join(_changed(snapshot, current))}): run"
+            " `materialize` to pick the changes up, or `export --force` to overwrite them with the workspace"
+        )
+    changed = _changed(current, planned)
     patches_dir = project / "patches"
-    for patch in read_series(project):
-        if patch.name not in contents:
-            patch.path.unlink()
-    for name, data in contents.items():
-        if _read(patches_dir / name) != data:
-            (patches_dir / name).write_bytes(data)
-    write_series(project, order)
+    for name in changed:
+        if name in planned:
+            (patches_dir / name).write_bytes(planned[name])
+        else:
+            (patches_dir / name).unlink()
+    record_snapshot(project, workspace)
     return changed

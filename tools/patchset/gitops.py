@@ -42,22 +42,17 @@ def git(
     check: bool = True,
     input: bytes | None = None,
     env: dict[str, str] | None = None,
+    isolated: bool = True,
 ) -> subprocess.CompletedProcess[bytes]:
-    """Run ``git -C repo args`` isolated from the user's git configuration and return the completed process."""
-    cmd: Sequence[str] = (
-        "git",
-        "-c",
-        "core.autocrlf=false",
-        "-c",
-        "commit.gpgsign=false",
-        "-c",
-        "core.hooksPath=" + os.devnull,
-        "-C",
-        str(repo),
-        *args,
-    )
+    """Run ``git -C repo args`` and return the completed process.
+
+    ``isolated`` (for the tool's own repositories) ignores the user's git configuration, hooks and identity; work in
+    a user's checkout (``upstream-pr --onto``) runs with ``isolated=False``, as the user's own git would.
+    """
+    options = ("-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", "-c", "core.hooksPath=" + os.devnull)
+    cmd: Sequence[str] = ("git", *(options if isolated else ()), "-C", str(repo), *args)
     try:
-        proc = subprocess.run(cmd, input=input, capture_output=True, env=_env(env))
+        proc = subprocess.run(cmd, input=input, capture_output=True, env=_env(env) if isolated else None)
     except FileNotFoundError as err:
         raise PatchsetError("git is required but was not found on PATH") from err
     if check and proc.returncode != 0:
@@ -66,9 +61,9 @@ def git(
     return proc
 
 
-def out(repo: Path, *args: str) -> str:
+def out(repo: Path, *args: str, isolated: bool = True) -> str:
     """Run git and return its stripped standard output as text."""
-    return git(repo, *args).stdout.decode().strip()
+    return git(repo, *args, isolated=isolated).stdout.decode().strip()
 
 
 def init_repo(path: Path) -> None:
@@ -78,6 +73,6 @@ def init_repo(path: Path) -> None:
     git(path, "symbolic-ref", "HEAD", "refs/heads/main")
 
 
-def is_clean(repo: Path) -> bool:
+def is_clean(repo: Path, isolated: bool = True) -> bool:
     """Whether the work tree and index match HEAD (ignored files aside)."""
-    return not git(repo, "status", "--porcelain").stdout.strip()
+    return not git(repo, "status", "--porcelain", isolated=isolated).stdout.strip()

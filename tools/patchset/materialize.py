@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from patchset import PatchsetError
@@ -179,28 +181,55 @@ def build_tree(project: Path, dest: Path, link: bool = False) -> Path:
 def materialize_workspace(project: Path, force: bool = False) -> Path:
     """Make ``.work/tree``: a git repo with the upstream base, one commit per patch, our files linked in.
 
-    Refuses to replace a workspace holding commits that were not exported yet, unless ``force``.
+    Refuses to replace a workspace holding work not exported yet, unless ``force``; the replaced workspace is kept
+    as ``.work/previous-tree`` either way.
     """
-    from patchset.export import pending_changes
+    from patchset.export import in_progress, record_snapshot, unexported_work
 
     workspace = project / WORKSPACE
-    if workspace.exists() and not force:
-        pending = pending_changes(project, workspace)
-        if git(workspace, "status", "--porcelain").stdout.strip():
-            pending.append("uncommitted changes")
-        if pending:
-            raise PatchsetError(
-                f"{workspace} has work not exported to patches/ ({', '.join(pending)}): run `export` first,"
-                " or materialize with --force to discard it"
-            )
+    previous = workspace.with_name("previous-tree")
     workspace.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
-        repo = Path(tmp) / "tree"
-        make_workspace(project, repo)
-        if workspace.exists():
-            shutil.rmtree(workspace)
-        os.rename(repo, workspace)
+    with _locked(workspace.parent / ".lock"):
+        if workspace.exists() and not force:
+            if not (workspace / ".git").is_dir():
+                raise PatchsetError(
+                    f"{workspace} exists but was not made by `materialize`: move it away or use --force"
+                )
+            operation = in_progress(workspace)
+            if operation:
+                raise PatchsetError(f"{workspace} is in the middle of {operation}: finish or abort it first")
+            pending = unexported_work(project, workspace)
+            if pending:
+                raise PatchsetError(
+                    f"{workspace} has work not exported to patches/ ({', '.join(pending)}): run `export` first,"
+                    " or materialize with --force to set it aside"
+                )
+        with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
+            repo = Path(tmp) / "tree"
+            make_workspace(project, repo)
+            record_snapshot(project, repo)
+            if workspace.exists():
+                if previous.exists():
+                    shutil.rmtree(previous)
+                os.rename(workspace, previous)
+            os.rename(repo, workspace)
     return workspace
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One materialize at a time per checkout (POSIX ``flock``; elsewhere, no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def make_workspace(project: Path, repo: Path) -> None:
@@ -212,6 +241,10 @@ def make_workspace(project: Path, repo: Path) -> None:
     lay_overlay(project, repo, files, link=True)
     exclude = repo / ".git" / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
-    exclude.write_text("# our new files, linked in from the patch set checkout\n" + "".join(f"/{f}\n" for f in files))
+    exclude.write_text(
+        "# our new files, linked in from the patch set checkout; and what running code leaves behind\n"
+        + "".join(f"/{f}\n" for f in files)
+        + "__pycache__/\n*.pyc\n"
+    )
     versions = write_version(repo, pin)
     git(repo, "update-index", "--skip-worktree", *(str(p.relative_to(repo)) for p in versions))

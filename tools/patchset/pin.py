@@ -103,27 +103,65 @@ def fetch_sdist(pin: Pin) -> Path:
 
     cached = cache_dir() / "sdist" / pin.sha256 / pin.sdist
     if cached.is_file():
-        return _verified(cached, pin, str(cached))
+        if file_sha256(cached) == pin.sha256:
+            return cached
+        cached.unlink()  # a damaged cache entry: fetch it again
 
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        if all(importlib.util.find_spec(name) for name in ("setuptools", "wheel", "packaging")):
-            # pip reads the sdist's metadata; with its build requirements at hand, skip an isolated environment
-            cmd.append("--no-build-isolation")
-        cmd += ["--dest", tmp, f"{pin.name}=={pin.version}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        downloaded = Path(tmp) / pin.sdist
-        if proc.returncode != 0 or not downloaded.is_file():
-            lines = (proc.stderr + proc.stdout).strip().splitlines()
-            reason = next((ln for ln in lines if ln.startswith("ERROR:")), lines[-1] if lines else "no output")
-            raise PatchsetError(
-                f"could not download {pin.sdist} with pip ({reason.strip()}); set {SDIST_ENV} to a local copy"
-                " for offline use"
-            )
+        downloaded = pip_download(pin.name, pin.version, Path(tmp))
+        if downloaded.name != pin.sdist:
+            raise PatchsetError(f"pip downloaded {downloaded.name}, but the pin names {pin.sdist}")
         _verified(downloaded, pin, f"downloaded {pin.sdist}")
         os.replace(downloaded, cached)
     return cached
+
+
+def pip_download(name: str, version: str, dest: Path) -> Path:
+    """Download the sdist of ``name==version`` into ``dest`` with pip (the user's index settings apply)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    if all(importlib.util.find_spec(module) for module in ("setuptools", "wheel", "packaging")):
+        # pip reads the sdist's metadata; with its build requirements at hand, skip an isolated environment
+        cmd.append("--no-build-isolation")
+    cmd += ["--dest", str(dest), f"{name}=={version}"]
+    # Inside a PEP 517 hook, pip's variables for *our* backend would send the inner pip looking for upstream's
+    # backend in our backend-path.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("_PYPROJECT_HOOKS_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    found = sorted(dest.glob("*.tar.gz"))
+    if proc.returncode != 0 or len(found) != 1:
+        lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.lower().startswith("error:")]
+        reason = errors[0] if errors else (lines[-1] if lines else "no output")
+        raise PatchsetError(
+            f"could not download the {name} {version} sdist with pip ({reason}); set {SDIST_ENV} to a local copy"
+            " for offline use"
+        )
+    return found[0]
+
+
+def cache_sdist(path: Path, sha256: str) -> Path:
+    """Put a verified sdist into the cache (where :func:`fetch_sdist` looks) and return the cached path."""
+    cached = cache_dir() / "sdist" / sha256 / path.name
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(cached.name + ".part")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, cached)
+    return cached
+
+
+def write_pin(project: Path, pin: Pin) -> None:
+    """Rewrite the pin file's values in place, keeping its comments."""
+    path = project / PIN_FILE
+    values = {"name": pin.name, "version": pin.version, "sdist": pin.sdist, "sha256": pin.sha256}
+    values["local-version"] = pin.local_version
+    lines = []
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        key = raw.split("#", 1)[0].partition("=")[0].strip()
+        lines.append(f"{key} = {values.pop(key)}" if key in values else raw)
+    lines += [f"{key} = {value}" for key, value in values.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def extract_sdist(sdist: Path, dest: Path) -> None:

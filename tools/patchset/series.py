@@ -103,10 +103,14 @@ def parse_patch(path: Path) -> Patch:
     trailers: dict[str, list[str]] = {}
     # Trailers are the last paragraph of the message.
     last_paragraph = message.strip().split("\n\n")[-1]
+    last_key = None
     for line in last_paragraph.splitlines():
         key, sep, value = line.partition(": ")
         if sep and re.fullmatch(r"[A-Za-z][A-Za-z-]*", key):
             trailers.setdefault(key, []).append(value.strip())
+            last_key = key
+        elif line[:1] in (" ", "\t") and last_key:  # a folded trailer continues the previous value
+            trailers[last_key][-1] += " " + line.strip()
     return Patch(path, _decode_subject(" ".join(subject_parts)), trailers)
 
 
@@ -125,18 +129,6 @@ def read_series(project: Path) -> list[Patch]:
             raise PatchsetError(f"{series}:{lineno}: names {name}, which is not in patches/")
         patches.append(parse_patch(path))
     return patches
-
-
-def write_series(project: Path, names: list[str]) -> None:
-    """Rewrite the series file, keeping its leading comment block."""
-    series = project / SERIES_FILE
-    comments = []
-    if series.is_file():
-        for line in series.read_text(encoding="utf-8").splitlines():
-            if not line.startswith("#"):
-                break
-            comments.append(line)
-    series.write_text("\n".join([*comments, *names]) + "\n", encoding="utf-8")
 
 
 def series_digest_material(project: Path) -> bytes:

@@ -50,16 +50,24 @@ def insert_changelog(text: str, entry: ChangelogEntry) -> str:
 
 
 def _clean_message(message: str) -> str:
-    """The commit message upstream sees: fork-only trailers removed, the issue it fixes referenced."""
+    """The commit message upstream sees: fork-only fields removed, the issue it fixes referenced."""
     paragraphs = message.strip().split("\n\n")
-    trailers = paragraphs[-1].splitlines()
-    keys = [line.partition(": ")[0] for line in trailers]
-    if all(k in FORK_TRAILERS for k in keys if k):
-        paragraphs = paragraphs[:-1]
-        bugs = [line.partition(": ")[2] for line in trailers if line.startswith("Bug: ")]
-        refs = [f"#{m.group(1)}" for b in bugs if (m := re.search(r"/issues/(\d+)", b))]
-        if refs:
-            paragraphs.append("Fixes " + ", ".join(refs))
+    kept, bugs, dropping = [], [], False
+    for line in paragraphs[-1].splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and key in FORK_TRAILERS:
+            dropping = True
+            if key == "Bug":
+                bugs.append(value)
+        elif line[:1] in (" ", "\t") and dropping:
+            continue  # the folded continuation of a dropped field
+        else:
+            dropping = False
+            kept.append(line)
+    refs = [f"#{m.group(1)}" for b in bugs if (m := re.search(r"/issues/(\d+)", b))]
+    if refs:
+        kept.append("Fixes " + ", ".join(refs))
+    paragraphs = paragraphs[:-1] + (["\n".join(kept)] if kept else [])
     return "\n\n".join(paragraphs) + "\n"
 
 
@@ -73,18 +81,19 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
         raise PatchsetError(f"{patch.name} is fork packaging (Forwarded: not-needed); it has no upstream PR")
     if not (onto / ".git").exists():
         raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
-    if not is_clean(onto):
+    if not is_clean(onto, isolated=False):
         raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
     new_files = [f for f in overlay_files(project) if patch.owns(f)]
     clashes = [rel for rel in new_files if (onto / rel).exists()]
     if clashes:
         raise PatchsetError(f"{clashes[0]} already exists in {onto}; a new file of the patch set cannot replace it")
     branch = branch or "patchset/" + patch.name.removesuffix(".patch").split("-", 1)[-1]
-    git(onto, "checkout", "-q", "-b", branch)
+    git(onto, "checkout", "-q", "-b", branch, isolated=False)
     try:
-        if git(onto, "am", "-q", "-3", str(patch.path), check=False).returncode != 0:
-            git(onto, "am", "--abort", check=False)
-            raise PatchsetError(f"{patch.name} does not apply to {onto} ({out(onto, 'rev-parse', '--short', 'HEAD')})")
+        if git(onto, "am", "-q", "-3", str(patch.path), check=False, isolated=False).returncode != 0:
+            git(onto, "am", "--abort", check=False, isolated=False)
+            head = out(onto, "rev-parse", "--short", "HEAD", isolated=False)
+            raise PatchsetError(f"{patch.name} does not apply to {onto} ({head})")
         for rel in new_files:
             (onto / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(project / rel, onto / rel)
@@ -93,16 +102,16 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
             if not changelog.is_file():
                 raise PatchsetError(f"{CHANGELOG_PATHS[entry.package]} is missing in {onto}")
             changelog.write_text(insert_changelog(changelog.read_text(encoding="utf-8"), entry), encoding="utf-8")
-        git(onto, "add", "-A")
-        message = _clean_message(out(onto, "log", "-1", "--format=%B"))
-        git(onto, "commit", "-q", "--amend", "--no-verify", "-F", "-", input=message.encode())
+        git(onto, "add", "-A", isolated=False)
+        message = _clean_message(out(onto, "log", "-1", "--format=%B", isolated=False))
+        git(onto, "commit", "-q", "--amend", "--no-verify", "-F", "-", input=message.encode(), isolated=False)
     except PatchsetError:
-        git(onto, "add", "-A", check=False)
-        git(onto, "reset", "-q", "--hard", check=False)
-        git(onto, "checkout", "-q", "-", check=False)
-        git(onto, "branch", "-q", "-D", branch, check=False)
+        git(onto, "add", "-A", check=False, isolated=False)
+        git(onto, "reset", "-q", "--hard", check=False, isolated=False)
+        git(onto, "checkout", "-q", "-", check=False, isolated=False)
+        git(onto, "branch", "-q", "-D", branch, check=False, isolated=False)
         raise
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        git(onto, "format-patch", "-q", "-1", "-o", str(out_dir.resolve()), "HEAD")
+        git(onto, "format-patch", "-q", "-1", "-o", str(out_dir.resolve()), "HEAD", isolated=False)
     return branch

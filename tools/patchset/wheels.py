@@ -45,11 +45,12 @@ def build(project: Path, dist: Path, flavour: str | None = None) -> Path:
 def install(project: Path, dist: Path, python: str | None, extra_args: list[str], flavour: str | None = None) -> Path:
     """Build the wheel first, then install it (into the environment of ``python``): a failed build installs nothing.
 
-    Only the fork is (re)installed; its dependencies are installed if missing.
+    The fork itself is always reinstalled; its dependencies are installed where missing (pin torch first, or pip
+    picks a CUDA build).
     """
     wheel = build(project, dist, flavour)
-    target = ["--python", python] if python else []
-    cmd = [sys.executable, "-m", "pip", *target, "install", "--force-reinstall", "--no-deps", str(wheel), *extra_args]
-    if subprocess.run(cmd).returncode != 0:
-        raise PatchsetError(f"pip could not install {wheel.name}")
+    pip = [sys.executable, "-m", "pip", *(["--python", python] if python else []), "install"]
+    for step in (["--force-reinstall", "--no-deps", str(wheel)], [str(wheel)]):
+        if subprocess.run([*pip, *step, *extra_args]).returncode != 0:
+            raise PatchsetError(f"pip could not install {wheel.name}")
     return wheel
