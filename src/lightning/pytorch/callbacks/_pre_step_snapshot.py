@@ -1,0 +1,429 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Snapshots of the training state taken just before the first optimizer step of a training batch.
+
+A score logged in ``training_step`` is computed by the weights the batch started with. When a
+:class:`~lightning.pytorch.callbacks.ModelCheckpoint` saves at the end of that batch, the live weights have already
+been updated by ``optimizer.step()``. To write the weights that produced the score, the state is copied into reusable
+buffers right before the batch's first optimizer step, but only in batches where a save can trigger. The copy is then
+written in place of the live state; the live model is never modified.
+
+"""
+
+import copy
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+from weakref import WeakKeyDictionary, ref
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+
+#: Key added to a checkpoint whose model (and optimizer) state is from before the optimizer step of its batch.
+PRE_OPTIMIZER_STEP_KEY = "pre_optimizer_step"
+
+_POST_STEP_REASON = (
+    "`ModelCheckpoint(monitor={monitor!r})` will save the weights *after* the optimizer step of the batch that"
+    " produced the score, not the weights that produced it: {reason}"
+)
+
+_WARNED: "WeakKeyDictionary[pl.Trainer, set[str]]" = WeakKeyDictionary()
+
+
+def _warn_once(trainer: "pl.Trainer", message: str) -> None:
+    """Warns on rank zero, once per message and trainer."""
+    warned = _WARNED.setdefault(trainer, set())
+    if message not in warned:
+        warned.add(message)
+        rank_zero_warn(message)
+
+
+@dataclass
+class _CapturedState:
+    """The training state as it was right before the first optimizer step of a batch.
+
+    Attributes:
+        state_dict: The module's state dict, copied into reusable buffers.
+        optimizer_states: The optimizers' state dicts, or ``None`` when only weights were captured.
+        lr_schedulers: The learning-rate schedulers' state dicts, or ``None`` when only weights were captured.
+        global_step: ``trainer.global_step`` before the step, i.e. the number of optimizer steps the weights have seen.
+        batch_key: Identifies the training batch the state was captured in.
+
+    """
+
+    state_dict: dict[str, Any]
+    optimizer_states: Optional[list[dict[str, Any]]]
+    lr_schedulers: Optional[list[dict[str, Any]]]
+    global_step: int
+    batch_key: int
+
+    def mark(self, checkpoint: dict[str, Any]) -> None:
+        """Records in ``checkpoint`` that its states were captured before the batch's optimizer step."""
+        checkpoint[PRE_OPTIMIZER_STEP_KEY] = {
+            "global_step": self.global_step,
+            "optimizer_states": self.optimizer_states is not None,
+        }
+
+
+def _batch_key(trainer: "pl.Trainer") -> int:
+    """A number that stays the same from ``on_train_batch_start`` to ``on_train_batch_end`` of one training batch."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.ready
+
+
+def _copy_into(src: Any, buffer: Any) -> Any:
+    """Copies ``src`` into ``buffer`` where the tensors match, allocating new tensors only where they do not."""
+    if isinstance(src, Tensor):
+        if (
+            isinstance(buffer, Tensor)
+            and buffer.shape == src.shape
+            and buffer.dtype == src.dtype
+            and buffer.device == src.device
+        ):
+            return buffer.copy_(src.detach())
+        return src.detach().clone()
+    if isinstance(src, dict):
+        old = buffer if isinstance(buffer, dict) else {}
+        out = type(src)() if isinstance(src, OrderedDict) else {}
+        for key, value in src.items():
+            out[key] = _copy_into(value, old.get(key))
+        metadata = getattr(src, "_metadata", None)
+        if metadata is not None:
+            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(src, (list, tuple)):
+        old_seq = buffer if isinstance(buffer, (list, tuple)) and len(buffer) == len(src) else [None] * len(src)
+        items = [_copy_into(value, old) for value, old in zip(src, old_seq)]
+        return items if isinstance(src, list) else type(src)(items)
+    if isinstance(src, (int, float, bool, str, bytes, type(None))):
+        return src
+    return copy.deepcopy(src)
+
+
+class _PreStepSnapshot:
+    """Captures the training state before the first optimizer step of a batch, once per batch, for all consumers.
+
+    One instance exists per :class:`~lightning.pytorch.trainer.trainer.Trainer` while at least one
+    :class:`~lightning.pytorch.callbacks.ModelCheckpoint` needs it. It hooks into
+    :meth:`~lightning.pytorch.core.optimizer.LightningOptimizer.step` and, to detect steps that bypass it, into the
+    wrapped optimizers' step pre-hooks.
+
+    """
+
+    def __init__(self, trainer: "pl.Trainer") -> None:
+        self._trainer = ref(trainer)
+        self._consumers: list[ModelCheckpoint] = []
+        self._handles: list[RemovableHandle] = []
+        self._installed = False
+        self._buffers: dict[str, Any] = {}
+        self._captured: Optional[_CapturedState] = None
+        # batch bookkeeping
+        self._stepped_batch: Optional[int] = None
+        self._steps_in_batch = 0
+        self._max_steps_per_batch: Optional[int] = None
+        self._pending_lightning_steps = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # registration
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def register(cls, trainer: "pl.Trainer", consumer: "ModelCheckpoint") -> Optional["_PreStepSnapshot"]:
+        """Registers ``consumer`` with the trainer's snapshot, creating and installing it on first use.
+
+        Returns ``None`` and warns once when pre-step weights cannot be captured with this trainer.
+
+        """
+        reason = _unsupported_reason(trainer)
+        if reason is not None:
+            _warn_once(trainer, _POST_STEP_REASON.format(monitor=consumer.monitor, reason=reason))
+            return None
+        snapshot = _SNAPSHOTS.get(trainer)
+        if snapshot is None:
+            snapshot = _SNAPSHOTS[trainer] = cls(trainer)
+        if consumer not in snapshot._consumers:
+            snapshot._consumers.append(consumer)
+        snapshot._install()
+        return snapshot
+
+    def unregister(self, consumer: "ModelCheckpoint") -> None:
+        """Removes ``consumer``; the hooks and buffers are released with the last one."""
+        if consumer in self._consumers:
+            self._consumers.remove(consumer)
+        if not self._consumers:
+            self._uninstall()
+            self._buffers = {}
+            self._captured = None
+            trainer = self._trainer()
+            if trainer is not None and _SNAPSHOTS.get(trainer) is self:
+                del _SNAPSHOTS[trainer]
+
+    def _install(self) -> None:
+        if self._installed:
+            return
+        trainer = self._trainer()
+        assert trainer is not None
+        for lightning_optimizer in trainer.strategy._lightning_optimizers:
+            lightning_optimizer._on_before_update = self._on_lightning_step
+        for optimizer in trainer.optimizers:
+            if isinstance(optimizer, Optimizer):
+                self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
+        self._installed = True
+
+    def _uninstall(self) -> None:
+        from lightning.pytorch.core.optimizer import do_nothing_closure
+
+        trainer = self._trainer()
+        if trainer is not None:
+            for lightning_optimizer in trainer.strategy._lightning_optimizers:
+                if getattr(lightning_optimizer, "_on_before_update", None) == self._on_lightning_step:
+                    lightning_optimizer._on_before_update = do_nothing_closure
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._installed = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    # hooks
+    # ------------------------------------------------------------------------------------------------------------
+    def _on_lightning_step(self) -> None:
+        """Called by ``LightningOptimizer.step`` before the strategy runs the optimizer step."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        trainer = self._trainer()
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        key = _batch_key(trainer)
+        if key == self._stepped_batch:
+            self._steps_in_batch += 1
+            self._pending_lightning_steps += 1
+            return
+        # first optimizer step of this batch
+        if self._stepped_batch is not None:
+            self._max_steps_per_batch = max(self._max_steps_per_batch or 0, self._steps_in_batch)
+        self._stepped_batch = key
+        self._steps_in_batch = 1
+        self._pending_lightning_steps = 1
+        # ask every consumer (no short-circuit: time-based triggers make their per-batch decision here on all ranks)
+        needs = [_pre_step_state_needed(consumer, trainer, self._max_steps_per_batch) for consumer in self._consumers]
+        wanted = [consumer for consumer, need in zip(self._consumers, needs) if need]
+        if wanted:
+            self._capture(trainer, key, with_optimizers=any(not consumer.save_weights_only for consumer in wanted))
+
+    def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook of the wrapped optimizers: detects steps that did not go through ``LightningOptimizer``."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if self._pending_lightning_steps > 0:
+            self._pending_lightning_steps -= 1
+            return
+        trainer = self._trainer()
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        _warn_once(
+            trainer,
+            _POST_STEP_REASON.format(
+                monitor=self._consumers[0].monitor if self._consumers else None,
+                reason=(
+                    f"`{type(optimizer).__name__}.step()` was called directly instead of through the"
+                    " `LightningOptimizer` returned by `self.optimizers()`, so the weights could not be captured"
+                    " before they changed. Step the optimizers returned by `self.optimizers()`"
+                    " (with `use_pl_optimizer=True`) to checkpoint the weights that produced the score."
+                ),
+            ),
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # capture
+    # ------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _capture(self, trainer: "pl.Trainer", key: int, with_optimizers: bool) -> None:
+        strategy = trainer.strategy
+        self._buffers["state_dict"] = _copy_into(
+            strategy.lightning_module_state_dict(), self._buffers.get("state_dict")
+        )
+        optimizer_states = lr_schedulers = None
+        if with_optimizers:
+            optimizer_states = self._buffers["optimizer_states"] = _copy_into(
+                [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
+                self._buffers.get("optimizer_states"),
+            )
+            lr_schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+        else:
+            self._buffers.pop("optimizer_states", None)
+        self._captured = _CapturedState(
+            state_dict=self._buffers["state_dict"],
+            optimizer_states=optimizer_states,
+            lr_schedulers=lr_schedulers,
+            global_step=trainer.global_step,
+            batch_key=key,
+        )
+
+    def state_for_batch(self, trainer: "pl.Trainer", consumer: "ModelCheckpoint") -> Optional[_CapturedState]:
+        """The state captured in the current training batch, if any.
+
+        Warns once if an optimizer stepped in this batch but the state was not captured, which happens only when a
+        batch takes more optimizer steps than all batches before it.
+
+        """
+        key = _batch_key(trainer)
+        if self._captured is not None and self._captured.batch_key == key:
+            return self._captured
+        if self._stepped_batch == key:
+            _warn_once(
+                trainer,
+                _POST_STEP_REASON.format(
+                    monitor=consumer.monitor,
+                    reason=(
+                        f"batch {trainer.fit_loop.epoch_loop.batch_idx} of epoch {trainer.current_epoch} took more"
+                        " optimizer steps than any batch before it, so no save was expected before its first step."
+                    ),
+                ),
+            )
+        return None
+
+
+_SNAPSHOTS: "WeakKeyDictionary[pl.Trainer, _PreStepSnapshot]" = WeakKeyDictionary()
+
+
+def _unsupported_reason(trainer: "pl.Trainer") -> Optional[str]:
+    """Why pre-step weights cannot be captured with this trainer, or ``None`` if they can."""
+    from lightning.pytorch.callbacks.stochastic_weight_avg import StochasticWeightAveraging
+    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        return "the DeepSpeed engine writes its own checkpoint from the live weights."
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return (
+            f"capturing sharded weights with `{type(strategy).__name__}` is not supported yet, it would need a"
+            " gather in every batch that saves."
+        )
+    for callback in trainer.callbacks:
+        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
+            return (
+                f"`{type(callback).__name__}` writes averaged weights into the checkpoint, which are not the"
+                " weights of any single step."
+            )
+    return None
+
+
+def _save_captured_checkpoint(trainer: "pl.Trainer", filepath: str, weights_only: bool, state: _CapturedState) -> None:
+    """Like :meth:`~lightning.pytorch.trainer.trainer.Trainer.save_checkpoint`, but writes the captured state."""
+    with trainer.profiler.profile("save_checkpoint"):
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only, captured_state=state)
+        trainer.strategy.save_checkpoint(checkpoint, filepath)
+        trainer.strategy.barrier("Trainer.save_checkpoint")
+
+
+def _monitor_logged_in_training(trainer: "pl.Trainer", monitor: str) -> bool:
+    """Whether ``monitor`` was logged from a training hook (e.g. ``training_step``) in the current epoch."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    results = trainer.fit_loop.epoch_loop._results
+    for result_metric in results.values():
+        if isinstance(result_metric, _ResultMetric):
+            meta = result_metric.meta
+            if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
+                return True
+    return False
+
+
+def _validation_will_run_after_batch(trainer: "pl.Trainer") -> bool:
+    """Whether validation runs right after the current batch, as the last batch of an epoch that validates."""
+    if not trainer.enable_validation or not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return False
+    num_val_batches = (
+        sum(trainer.num_val_batches) if isinstance(trainer.num_val_batches, list) else trainer.num_val_batches
+    )
+    if not num_val_batches:
+        return False
+    every_n_epochs = trainer.check_val_every_n_epoch
+    return every_n_epochs is None or (trainer.current_epoch + 1) % every_n_epochs == 0
+
+
+def _warn_resume_from_pre_step(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    marker = checkpoint.get(PRE_OPTIMIZER_STEP_KEY)
+    if marker is None or trainer.state.fn != TrainerFn.FITTING:
+        return
+    _warn_once(
+        trainer,
+        "You are resuming from a checkpoint that holds the weights from before the optimizer step of the batch that"
+        f" produced its monitored score (global step {marker.get('global_step')}). The training progress in it counts"
+        " that batch as done, so that batch's update will not be applied. Resume from a `last.ckpt` to continue"
+        " exactly where training stopped.",
+    )
+
+
+def _warn_legacy_workaround(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    if hasattr(pl_module, "saved_models"):
+        _warn_once(
+            trainer,
+            "Your LightningModule has a `saved_models` attribute, the workaround documented in Lightning 2.6 for"
+            " checkpointing the weights from before `optimizer.step()`. It is no longer needed and is not used:"
+            " `ModelCheckpoint` now captures those weights itself. You can remove it to save memory.",
+        )
+
+
+@dataclass
+class _TimeTrigger:
+    """Makes the ``train_time_interval`` decision once per batch, consistently across ranks."""
+
+    decided_batch: Optional[int] = None
+    is_due: bool = False
+
+    def due(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> bool:
+        """Whether ``checkpoint``'s ``train_time_interval`` has elapsed, decided at the first call in a batch."""
+        key = _batch_key(trainer)
+        if self.decided_batch == key:
+            return self.is_due
+        interval = checkpoint._train_time_interval
+        due = False
+        if interval is not None:
+            now = time.monotonic()
+            previous = checkpoint._last_time_checked
+            due = previous is not None and (now - previous) >= interval.total_seconds()
+            # time differs across ranks: take rank 0's decision to avoid hangs
+            due = trainer.strategy.broadcast(due)
+            if due:
+                checkpoint._last_time_checked = now
+        self.decided_batch, self.is_due = key, due
+        return due
+
+
+def _pre_step_state_needed(
+    checkpoint: "ModelCheckpoint", trainer: "pl.Trainer", max_steps_per_batch: Optional[int]
+) -> bool:
+    """Whether ``checkpoint`` may save at the end of the current batch, asked before the batch's first step."""
+    if trainer.fast_dev_run or checkpoint.save_top_k == 0:
+        return False
+    if checkpoint._train_time_interval is not None and checkpoint._time_trigger.due(trainer, checkpoint):
+        return True
+    every_n = checkpoint._every_n_train_steps
+    if every_n < 1:
+        return False
+    if max_steps_per_batch is None:
+        return True  # unknown yet how many steps a batch takes: capture to be safe
+    next_multiple = (trainer.global_step // every_n + 1) * every_n
+    return next_multiple <= trainer.global_step + max(max_steps_per_batch, 1)
