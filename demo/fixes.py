@@ -31,7 +31,6 @@ def ports() -> None:
 
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
     from lightning.fabric.utilities.port_manager import get_port_manager
 
     mine = find_free_network_port()

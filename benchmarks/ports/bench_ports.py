@@ -11,7 +11,6 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-# ruff: noqa: S311, S603, S607
 """Stress the pick-a-port-then-bind race of the rendezvous store, and compare ways of picking ports.
 
 K worker processes run R rounds each of: get a port, wait a launcher-like window, bind a real ``TCPStore`` on it as
@@ -352,13 +351,15 @@ def main() -> None:
                 "--methods",
                 *args.methods,
             ]
-            inner = " ".join([
-                "ip link set lo up &&",
-                f"echo '{args.narrow_range}' > /proc/sys/net/ipv4/ip_local_port_range &&",
-                f"{sys.executable} {os.path.abspath(__file__)} --scenario _inside",
-                "--title 'private namespace, narrowed range'",
-                *forwarded,
-            ])
+            inner = " ".join(
+                [
+                    "ip link set lo up &&",
+                    f"echo '{args.narrow_range}' > /proc/sys/net/ipv4/ip_local_port_range &&",
+                    f"{sys.executable} {os.path.abspath(__file__)} --scenario _inside",
+                    "--title 'private namespace, narrowed range'",
+                    *forwarded,
+                ]
+            )
             subprocess.run(["unshare", "--net", "sh", "-c", inner], check=True)
         else:
             print("\nSkipping the narrowed-range scenario: it needs root, `unshare` and `ip`.")

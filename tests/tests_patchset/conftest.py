@@ -8,8 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset.pin import fetch_sdist, read_pin
 from patchset_helpers import REPO, copy_project
+
+from patchset.pin import fetch_sdist, read_pin
 
 
 @pytest.fixture(autouse=True)
@@ -28,8 +29,18 @@ def upstream_sdist() -> Path:
 
 @pytest.fixture
 def project(tmp_path: Path, upstream_sdist: Path) -> Path:
-    """A throwaway copy of this project: pin, series and patches, the tool; no new files."""
-    return copy_project(tmp_path / "project")
+    """A throwaway copy of this project: pin, the tool, and a series of just its first patch; no new files.
+
+    The tool's tests work on a fixed, small series so that they do not change meaning as patches are added.
+    """
+    project = copy_project(tmp_path / "project")
+    patches = project / "patches"
+    series = (patches / "series").read_text().splitlines()
+    names = [line for line in series if line and not line.startswith("#")]
+    for name in names[1:]:
+        (patches / name).unlink()
+    (patches / "series").write_text("\n".join([*(line for line in series if line.startswith("#")), names[0]]) + "\n")
+    return project
 
 
 @pytest.fixture

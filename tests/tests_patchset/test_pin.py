@@ -3,9 +3,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from patchset_helpers import write
+
 from patchset import PatchsetError
 from patchset.pin import SDIST_ENV, fetch_sdist, file_sha256, read_pin
-from patchset_helpers import write
 
 
 def test_pin_names_the_fork_version(project: Path):

@@ -4,13 +4,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from patchset_helpers import git
+
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
 from patchset.pin import extract_sdist, file_sha256, read_pin
 from patchset.rebase import rebase
 from patchset.series import read_series
-from patchset_helpers import git
 
 SETUP = "src/lightning/__setup__.py"
 

@@ -3,13 +3,14 @@
 from pathlib import Path
 
 import pytest
+from patchset_helpers import git, write
+
 from patchset import PatchsetError
 from patchset.export import export
 from patchset.materialize import base_repo, materialize_workspace
 from patchset.pin import read_pin
 from patchset.series import ChangelogEntry
 from patchset.upstream_pr import insert_changelog, upstream_pr
-from patchset_helpers import git, write
 
 MESSAGE = """fabric: add a demo helper
 

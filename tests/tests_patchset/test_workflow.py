@@ -5,12 +5,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from patchset_helpers import git, write
+
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
 from patchset.materialize import WORKSPACE, materialize_workspace
 from patchset.series import read_series
-from patchset_helpers import git, write
 
 
 def _patch_bytes(project: Path) -> dict[str, bytes]:

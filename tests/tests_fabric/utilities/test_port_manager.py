@@ -23,9 +23,9 @@ import threading
 from datetime import timedelta
 
 import pytest
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch.distributed import TCPStore
 
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities import port_manager as pm
 from lightning.fabric.utilities.port_manager import PortManager, get_port_manager, parse_port, probe_port
 

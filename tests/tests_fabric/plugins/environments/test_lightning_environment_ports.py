@@ -15,8 +15,8 @@ import os
 import socket
 
 import pytest
-from lightning.fabric.plugins.environments import LightningEnvironment
 
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities import port_manager as pm
 from lightning.fabric.utilities.port_manager import PortManager, get_port_manager
 
