@@ -67,7 +67,7 @@ def test_timeout_is_not_a_port_conflict():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused until the timeout
-        with pytest.raises(RuntimeError) as timeout:
+        with pytest.raises((RuntimeError, TimeoutError)) as timeout:  # torch 2.1 raises the built-in TimeoutError
             TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=1))
     assert not is_port_conflict(timeout.value)
 

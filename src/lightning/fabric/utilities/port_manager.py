@@ -61,6 +61,9 @@ _REGISTRY_DIR_ENV = "LIGHTNING_PORT_REGISTRY_DIR"
 _POOL_ENV = "LIGHTNING_PORT_POOL"
 _DEFAULT_POOL_SIZE = 8192
 _RECENTLY_RELEASED_SIZE = 1024
+# A lease guards the gap between picking a port and binding it. Callers of `find_free_network_port` never release,
+# so a process keeps at most this many leases (one open file each); taking another releases the oldest.
+_MAX_LEASES = 64
 _LOWEST_POOL_PORT = 1024
 _IANA_EPHEMERAL_RANGE = (49152, 65535)
 
@@ -165,7 +168,9 @@ def probe_port(port: int) -> bool:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             sock.bind(address)
             sock.listen(1)
-    except OSError:
+    except OSError as ex:
+        if ex.errno in (errno.EMFILE, errno.ENFILE):
+            raise  # out of file descriptors, not a busy port
         return False
     return True
 
@@ -306,7 +311,8 @@ class PortManager:
         """Lease a free port and return it.
 
         The port stays leased, and no cooperating process is given it, until :meth:`release_port` (or
-        :meth:`release_all`) or the end of this process.
+        :meth:`release_all`) or the end of this process. A process holds at most 64 leases: taking another releases
+        the oldest, whose port has long been bound (or abandoned) by then.
 
         Args:
             preferred_port: Try this port first; used if it is free and not already leased by anyone, even if recently
@@ -361,8 +367,10 @@ class PortManager:
         if self._registry_dir is not None:
             try:
                 lease = _Lease.try_acquire(self._registry_dir, port)
-            except OSError:  # the registry became unusable (for example deleted): treat as taken, try another
-                return False
+            except OSError as ex:
+                if ex.errno in (errno.EMFILE, errno.ENFILE):
+                    raise  # out of file descriptors: trying other ports cannot help, and the cause must show
+                return False  # the registry became unusable (for example deleted): treat as taken, try another
             if lease is None:
                 return False
         if not probe_port(port):
@@ -370,6 +378,12 @@ class PortManager:
                 lease.release()
             return False
         self._leases[port] = lease
+        while len(self._leases) > _MAX_LEASES:  # the oldest lease has long been bound, or abandoned
+            oldest = next(iter(self._leases))
+            old_lease = self._leases.pop(oldest)
+            if old_lease is not None:
+                old_lease.release()
+            self._recently_released.append(oldest)
         return True
 
     def release_port(self, port: int) -> None:

@@ -59,7 +59,8 @@ _RERUNFAILURES_FOLLOWS_CHAINS = RequirementCache("pytest-rerunfailures>=16.7")
 PORT_CONFLICT_PATTERN = (
     r"(?is)^(?!AssertionError: ).*(?:EADDRINUSE|address already in use|only one usage of each socket address)"
 )
-_PORT_IN_MESSAGE = re.compile(r"\bport:? (\d{1,5})\b")
+# "... port: 29500" (torch 2.2+), "failed to bind to [::]:29500 (errno: 98 ...)" (torch 2.1)
+_PORT_IN_MESSAGE = re.compile(r"\bport:? (\d{1,5})\b|\]:(\d{1,5}) \(errno")
 _DEFAULT_RERUNS = 2
 
 _conflicts_key = pytest.StashKey[list[tuple[str, Optional[int]]]]()
@@ -83,13 +84,13 @@ def is_port_conflict(exception: BaseException) -> bool:
 
 
 def _failed_port(exception: BaseException) -> Optional[int]:
-    """The port named in the conflict's message (``TCPStore`` says ``port: N``), if any."""
+    """The port named in the conflict's message (``TCPStore`` says ``port: N``, or ``[::]:N (errno`` on torch 2.1)."""
     pattern = re.compile(PORT_CONFLICT_PATTERN)
     for exc in _chain(exception):
         text = f"{type(exc).__name__}: {exc}"
         match = _PORT_IN_MESSAGE.search(text)
         if match and pattern.search(text):
-            return int(match.group(1))
+            return int(match.group(1) or match.group(2))
     return None
 
 
