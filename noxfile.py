@@ -1,0 +1,141 @@
+"""The torch matrix: the fork's test suite against each supported torch release, one nox session per release.
+
+Each ``tests(torch='X')`` session makes a fresh venv (with the Python that runs nox), installs ``torch==X`` (plus
+``numpy<2`` where that torch was built against NumPy 1.x), builds and installs the fork from this checkout with pip
+(through the in-tree PEP 517 backend), removes any unpatched ``pytorch-lightning`` / ``lightning-fabric``
+distribution, and runs the project's test command from the repository root; tests import ``lightning`` from the
+venv's site-packages. The result of a full run is recorded in docs/torch-matrix.md (see .ci/torch_matrix.py).
+
+    nox                                  # the default: tests(torch='2.13.0')
+    nox -s "tests(torch='2.1.2')"        # one cell; `nox -l` lists them
+    nox -s "tests(torch='2.1.2')" -- tests/tests_fabric -x   # a subset (not recorded in the table)
+
+torch comes from your pip configuration: on a plain Linux machine that is a CUDA build of several GB (it runs on the
+CPU too). Sessions share a wheelhouse in pip's cache directory (``TORCH_MATRIX_WHEELHOUSE`` overrides it): ``pip
+download`` fills it, skipping files it already holds, and the session installs torch from it, so each build is
+downloaded once. Set ``TORCH_INDEX_URL`` to an extra index (CI points it at PyTorch's CPU wheel index) to take torch
+from there instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests(torch='2.13.0')"]
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).resolve().parent
+# Oldest supported (Lightning 2.6 needs torch>=2.1), every minor release CI covers, the local CPU wheel (2.13.0),
+# and the newest release this machine's pip allows.
+TORCH = ["2.1.2", "2.2.2", "2.3.1", "2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.13.0", "2.14.1"]
+OLDEST = TORCH[0]
+# The project's test command (README, .ci/run), run from the repository root against the installed fork.
+TEST_COMMAND = ["python", "-m", "pytest", "--cov", "--cov-report=term"]
+UNPATCHED = ["pytorch-lightning", "lightning-fabric"]
+
+CHECK_INSTALL = """
+import importlib.metadata as md, importlib.util, pathlib, sys
+import torch, lightning
+want = sys.argv[1]
+assert torch.__version__.split("+")[0] == want, f"torch {torch.__version__} installed, the session wants {want}"
+root = pathlib.Path(lightning.__file__).resolve().parent
+assert "site-packages" in root.parts, f"lightning imported from {root}, not from the installed fork"
+assert lightning.__version__.endswith("+patchset.1"), f"lightning {lightning.__version__} is not the fork"
+for dist in ("pytorch-lightning", "lightning-fabric"):
+    try:
+        md.distribution(dist)
+    except md.PackageNotFoundError:
+        continue
+    raise AssertionError(f"the unpatched {dist} distribution is installed")
+for name in ("pytorch_lightning", "lightning_fabric"):
+    assert importlib.util.find_spec(name) is None, f"{name} is importable: an unpatched copy is installed"
+print(f"torch {torch.__version__}, lightning {lightning.__version__} from {root}")
+"""
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", v)[:3])
+
+
+def _needs_numpy_1(torch: str) -> bool:
+    """Whether this torch needs ``numpy<2``: releases before 2.4 were built against NumPy 1.x."""
+    return _version(torch) < (2, 4)
+
+
+def _wheelhouse(session: nox.Session) -> Path:
+    """``$TORCH_MATRIX_WHEELHOUSE``, else ``torch-matrix-wheels`` in pip's cache directory."""
+    if os.environ.get("TORCH_MATRIX_WHEELHOUSE"):
+        return Path(os.environ["TORCH_MATRIX_WHEELHOUSE"])
+    out = session.run("python", "-m", "pip", "cache", "dir", silent=True, success_codes=[0, 1])
+    cache = Path(out.strip()) if isinstance(out, str) and out.strip() else Path.home() / ".cache" / "pip"
+    return cache / "torch-matrix-wheels"
+
+
+def _install_fork(session: nox.Session, torch: str) -> Path:
+    """Torch, the test requirements, the fork (``pip install .``), no unpatched copy; returns the constraints file."""
+    # the commit the fork is built from, recorded with the result (the checkout may move on while the suite runs)
+    commit = session.run("python", ".ci/torch_matrix.py", "commit", silent=True)
+    session.env["TORCH_MATRIX_COMMIT"] = commit.strip() if isinstance(commit, str) else ""
+    session.run("python", "-m", "pip", "install", "--quiet", "--upgrade", "pip", silent=True)
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    pins = [f"torch=={torch}"] + (["numpy<2"] if _needs_numpy_1(torch) else [])
+    constraints.write_text("\n".join(pins) + "\n", encoding="utf-8")
+    index = os.environ.get("TORCH_INDEX_URL")
+    # torch and its dependencies go through a wheelhouse shared by every session (and kept with pip's cache): a
+    # file already there is not downloaded again, even where the index's responses are not cacheable by pip.
+    wheelhouse = _wheelhouse(session)
+    session.run(
+        "python", "-m", "pip", "download", "--dest", str(wheelhouse), *pins, "-c", str(constraints),
+        *(["--extra-index-url", index] if index else []),
+    )  # fmt: skip
+    session.install("--no-index", "--find-links", str(wheelhouse), *pins, "-c", str(constraints))
+    # every later install is held to the same torch (and numpy), so nothing upgrades them behind the session's back
+    session.install("-r", "tests/requirements.txt", "-c", str(constraints))
+    session.install(".", "-c", str(constraints))
+    session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
+    return constraints
+
+
+def _check_and_test(session: nox.Session, torch: str, kind: str) -> None:
+    session.run("python", "-c", CHECK_INSTALL, torch)
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    logs = ROOT / ".nox" / "torch-matrix-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    record = ["python", ".ci/torch_matrix.py", "record", "--kind", kind, "--session", session.name, "--torch", torch]
+    record += ["--log", str(logs / f"{kind}-{torch}.log"), "--commit", session.env.get("TORCH_MATRIX_COMMIT") or ""]
+    if session.posargs:  # a subset of the suite: run it, but keep it out of the table
+        record.append("--no-record")
+    # the session's own coverage data file: the repository root stays clean and cells can run side by side
+    coverage_file = Path(session.create_tmp()) / ".coverage"
+    session.run(*record, "--", *TEST_COMMAND, *session.posargs, env={"COVERAGE_FILE": str(coverage_file)})
+
+
+@nox.session
+@nox.parametrize("torch", TORCH)
+def tests(session: nox.Session, torch: str) -> None:
+    """The test suite against the fork installed with this torch release."""
+    _install_fork(session, torch)
+    _check_and_test(session, torch, "tests")
+
+
+@nox.session
+def oldest(session: nox.Session) -> None:
+    """The oldest torch with the lowest versions of lightning's requirements that the fork declares."""
+    constraints = _install_fork(session, OLDEST)
+    lowest = session.run("python", ".ci/torch_matrix.py", "oldest-requirements", silent=True)
+    assert isinstance(lowest, str)
+    session.log("lowest requirements: " + " ".join(lowest.split()))
+    session.install(*lowest.split(), "-c", str(constraints))
+    session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
+    _check_and_test(session, OLDEST, "oldest")
+
+
+@nox.session(venv_backend="none")
+def matrix_table(session: nox.Session) -> None:
+    """Rewrite docs/torch-matrix.md from the results it holds (no test run)."""
+    session.run("python", ".ci/torch_matrix.py", "render")
