@@ -352,6 +352,79 @@ def test_validation_monitor_deferred_saves_live_weights(tmp_path, val_check_inte
     assert _same(_load(ckpt.best_model_path)["state_dict"], model.post[_load(ckpt.best_model_path)["global_step"]])
 
 
+def test_validation_monitor_captures_at_most_once(tmp_path, monkeypatch):
+    """A metric only validation logs never needs the pre-step weights: after its first save, nothing is captured."""
+    from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepSnapshot
+
+    captured_at = []
+    original = _PreStepSnapshot._capture
+
+    def spy(self, trainer, key, with_optimizers):
+        captured_at.append(trainer.global_step)
+        return original(self, trainer, key, with_optimizers)
+
+    monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
+    seed_everything(10)
+    model = ValRecorder()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [ckpt], max_epochs=5, val_check_interval=4, num_sanity_val_steps=0).fit(model)
+    assert model.trainer.global_step == 40
+    # only until the first save (step 2) showed that `val_loss` is not a training metric: the first batch (steps per
+    # batch unknown yet) and the batch of that save
+    assert captured_at == [0, 1]
+    assert not _post_step_warnings(record)
+    files = _topk_files(tmp_path)
+    assert len(files) > 10
+    for f in files:
+        c = _load(f)
+        assert PRE_KEY not in c
+        assert _same(c["state_dict"], model.post[c["global_step"]])
+
+
+class LateTrainingMetric(ValRecorder):
+    """Monitors ``score``: logged by validation in the first epoch, by ``training_step`` from the second on."""
+
+    def __init__(self):
+        super().__init__(monitor="score")
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == 0:
+            self.pre[self.trainer.global_step] = _clone(self)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self._loss(batch))
+            opt.step()
+            return None
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if self.current_epoch == 0:
+            self.log("score", self._loss(batch))
+
+
+def test_monitor_that_moves_to_training_is_captured_again(tmp_path):
+    """The first save after the metric moved to training was not expected; it says so once, then captures resume."""
+    seed_everything(25)
+    model = LateTrainingMetric()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="score", every_n_train_steps=2, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [ckpt], max_epochs=2, val_check_interval=4, num_sanity_val_steps=0).fit(model)
+    found = _post_step_warnings(record)
+    assert len(found) == 1
+    assert "was not logged during training at the previous save" in str(found[0].message)
+    steps = {_load(f)["global_step"]: _load(f) for f in _topk_files(tmp_path)}
+    # epoch 0: validation scores (2 and 8 deferred to validation); epoch 1: step 10 unexpected, then pre-step again
+    assert sorted(steps) == [4, 6, 8, 10, 12, 14, 16]
+    for step in (4, 6, 8, 10):
+        assert PRE_KEY not in steps[step]
+        assert _same(steps[step]["state_dict"], model.post[step])
+    for step in (12, 14, 16):
+        _assert_pre_step(model, steps[step])
+
+
 def test_deferral_that_never_resolves_is_not_silent(tmp_path):
     """The monitored key only comes from validation, which never runs again before training stops."""
     seed_everything(11)
@@ -493,27 +566,75 @@ def test_no_warning_in_normal_case(tmp_path):
 
 
 class RawOptimizerModule(Recorder):
+    """Steps the first optimizer directly (``use_pl_optimizer=False``) and, if ``raw_first``, before the second."""
+
+    def __init__(self, raw_first=True, lightning_optimizer=True):
+        super().__init__(n_optimizers=2)
+        self.raw_first = raw_first
+        self.lightning_optimizer = lightning_optimizer
+
     def training_step(self, batch, batch_idx):
-        opt = self.optimizers(use_pl_optimizer=False)
         self.pre[self.trainer.global_step] = _clone(self)
+        raw, lightning_opt = self.optimizers(use_pl_optimizer=False)[0], self.optimizers()[1]
         loss = self._loss(batch)
         self.log("train_loss", loss)
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
+        steps = [raw, lightning_opt] if self.raw_first else [lightning_opt, raw]
+        if not self.lightning_optimizer:
+            steps.remove(lightning_opt)
+        for opt in steps:
+            opt.zero_grad()
+            self.manual_backward(self._loss(batch))
+            opt.step()
         return loss
 
 
 def test_warns_once_when_optimizer_bypasses_lightning(tmp_path):
+    """The batch's first step bypasses ``LightningOptimizer``: the saves hold post-step weights and say why, once."""
     seed_everything(18)
-    model = RawOptimizerModule()
-    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1)
+    model = RawOptimizerModule(raw_first=True)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4).fit(model)
     found = _post_step_warnings(record)
     assert len(found) == 1
+    assert "`Adam.step()` was called directly" in str(found[0].message)
     assert "use_pl_optimizer=True" in str(found[0].message)
+    files = _topk_files(tmp_path)
+    assert len(files) == 4
+    for f in files:
+        c = _load(f)
+        assert PRE_KEY not in c
+        assert _same(c["state_dict"], model.post[c["global_step"]])
+
+
+def test_direct_step_after_the_first_is_captured_without_warning(tmp_path):
+    """A direct step after the batch's first (Lightning) step does not matter: the capture came before both."""
+    seed_everything(18)
+    model = RawOptimizerModule(raw_first=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4).fit(model)
+    assert not _post_step_warnings(record)
+    files = _topk_files(tmp_path)
+    assert len(files) == 4
+    for f in files:
+        _assert_pre_step(model, _load(f))
+
+
+def test_no_warning_when_direct_steps_save_nothing(tmp_path):
+    """Direct steps only: ``global_step`` never advances, so ``every_n_train_steps`` saves nothing to warn about."""
+    seed_everything(18)
+    model = RawOptimizerModule(lightning_optimizer=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4)
+        trainer.fit(model)
+    assert trainer.global_step == 0
+    assert not _topk_files(tmp_path)
+    assert not _post_step_warnings(record)
 
 
 def test_warns_once_with_weight_averaging(tmp_path):
@@ -568,6 +689,19 @@ def test_resume(tmp_path, source):
         assert _same(saved["state_dict"], model.pre[3])
     else:
         assert _same(saved["state_dict"], model.post[4])
+
+
+def test_resume_warns_without_model_checkpoint(tmp_path):
+    """The trainer, not the callback, tells: a resume without any ``ModelCheckpoint`` is warned about too."""
+    seed_everything(21)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=2, save_top_k=1)
+    _trainer(tmp_path, [ckpt], max_steps=4).fit(Recorder())
+    assert PRE_KEY in _load(ckpt.best_model_path)
+    trainer = _trainer(tmp_path, [], max_steps=6, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match="resuming from a checkpoint that holds the weights from before") as record:
+        trainer.fit(Recorder(), ckpt_path=ckpt.best_model_path)
+    assert len([w for w in record if "holds the weights from before" in str(w.message)]) == 1
+    assert trainer.global_step == 6
 
 
 class AmpRecorder(Recorder):

@@ -141,6 +141,10 @@ class _PreStepSnapshot:
         self._steps_in_batch = 0
         self._max_steps_per_batch: Optional[int] = None
         self._pending_lightning_steps = 0
+        # the batch whose first step bypassed `LightningOptimizer`, and the optimizer's class name
+        self._bypassed: Optional[tuple[int, str]] = None
+        # per consumer: whether its monitored metric was logged in training at its last save
+        self._monitor_in_training: dict[ModelCheckpoint, bool] = {}
 
     # ------------------------------------------------------------------------------------------------------------
     # registration
@@ -161,6 +165,7 @@ class _PreStepSnapshot:
             snapshot = _SNAPSHOTS[trainer] = cls(trainer)
         if consumer not in snapshot._consumers:
             snapshot._consumers.append(consumer)
+        snapshot._monitor_in_training.pop(consumer, None)
         snapshot._install()
         return snapshot
 
@@ -168,6 +173,7 @@ class _PreStepSnapshot:
         """Removes ``consumer``; the hooks and buffers are released with the last one."""
         if consumer in self._consumers:
             self._consumers.remove(consumer)
+        self._monitor_in_training.pop(consumer, None)
         if not self._consumers:
             self._uninstall()
             self._buffers = {}
@@ -206,50 +212,56 @@ class _PreStepSnapshot:
     # ------------------------------------------------------------------------------------------------------------
     def _on_lightning_step(self) -> None:
         """Called by ``LightningOptimizer.step`` before the strategy runs the optimizer step."""
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        trainer = self._trainer()
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+        trainer = self._fitting_trainer()
+        if trainer is None:
             return
+        self._pending_lightning_steps += 1
         key = _batch_key(trainer)
         if key == self._stepped_batch:
             self._steps_in_batch += 1
-            self._pending_lightning_steps += 1
             return
         # first optimizer step of this batch
-        if self._stepped_batch is not None:
-            self._max_steps_per_batch = max(self._max_steps_per_batch or 0, self._steps_in_batch)
-        self._stepped_batch = key
+        self._begin_batch(key)
         self._steps_in_batch = 1
-        self._pending_lightning_steps = 1
         # ask every consumer (no short-circuit: time-based triggers make their per-batch decision here on all ranks)
-        needs = [_pre_step_state_needed(consumer, trainer, self._max_steps_per_batch) for consumer in self._consumers]
+        needs = [
+            _pre_step_state_needed(
+                consumer, trainer, self._max_steps_per_batch, self._monitor_in_training.get(consumer)
+            )
+            for consumer in self._consumers
+        ]
         wanted = [consumer for consumer, need in zip(self._consumers, needs) if need]
         if wanted:
             self._capture(trainer, key, with_optimizers=any(not consumer.save_weights_only for consumer in wanted))
 
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """Step pre-hook of the wrapped optimizers: detects steps that did not go through ``LightningOptimizer``."""
-        from lightning.pytorch.trainer.states import TrainerFn
-
         if self._pending_lightning_steps > 0:
             self._pending_lightning_steps -= 1
             return
-        trainer = self._trainer()
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        trainer = self._fitting_trainer()
+        if trainer is None:
             return
-        _warn_once(
-            trainer,
-            _POST_STEP_REASON.format(
-                monitor=self._consumers[0].monitor if self._consumers else None,
-                reason=(
-                    f"`{type(optimizer).__name__}.step()` was called directly instead of through the"
-                    " `LightningOptimizer` returned by `self.optimizers()`, so the weights could not be captured"
-                    " before they changed. Step the optimizers returned by `self.optimizers()`"
-                    " (with `use_pl_optimizer=True`) to checkpoint the weights that produced the score."
-                ),
-            ),
-        )
+        key = _batch_key(trainer)
+        if key != self._stepped_batch:
+            # the batch's first step changes the weights before anything could capture them
+            self._begin_batch(key)
+            self._bypassed = (key, type(optimizer).__name__)
+
+    def _fitting_trainer(self) -> Optional["pl.Trainer"]:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        trainer = self._trainer()
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return None
+        return trainer
+
+    def _begin_batch(self, key: int) -> None:
+        if self._stepped_batch is not None:
+            self._max_steps_per_batch = max(self._max_steps_per_batch or 0, self._steps_in_batch)
+        self._stepped_batch = key
+        self._steps_in_batch = 0
+        self._pending_lightning_steps = min(self._pending_lightning_steps, 1)
 
     # ------------------------------------------------------------------------------------------------------------
     # capture
@@ -277,27 +289,44 @@ class _PreStepSnapshot:
             batch_key=key,
         )
 
-    def state_for_batch(self, trainer: "pl.Trainer", consumer: "ModelCheckpoint") -> Optional[_CapturedState]:
-        """The state captured in the current training batch, if any.
+    def state_for_batch(
+        self, trainer: "pl.Trainer", consumer: "ModelCheckpoint", monitor_logged_in_training: bool
+    ) -> Optional[_CapturedState]:
+        """The state captured in the current training batch, for a save of ``consumer`` at the end of it.
 
-        Warns once if an optimizer stepped in this batch but the state was not captured, which happens only when a
-        batch takes more optimizer steps than all batches before it.
+        Returns ``None`` when the live state is the one to save: the monitored score was not logged in training (it
+        comes from validation, which saw the live weights), or no optimizer stepped in this batch. Warns once when
+        an optimizer stepped but its weights could not be captured.
 
         """
+        previously_in_training = self._monitor_in_training.get(consumer)
+        self._monitor_in_training[consumer] = monitor_logged_in_training
+        if not monitor_logged_in_training:
+            return None
         key = _batch_key(trainer)
         if self._captured is not None and self._captured.batch_key == key:
+            _warn_legacy_workaround(trainer, trainer.lightning_module)
             return self._captured
-        if self._stepped_batch == key:
-            _warn_once(
-                trainer,
-                _POST_STEP_REASON.format(
-                    monitor=consumer.monitor,
-                    reason=(
-                        f"batch {trainer.fit_loop.epoch_loop.batch_idx} of epoch {trainer.current_epoch} took more"
-                        " optimizer steps than any batch before it, so no save was expected before its first step."
-                    ),
-                ),
+        if self._stepped_batch != key:
+            return None  # no optimizer step in this batch: the live weights produced the score
+        if self._bypassed is not None and self._bypassed[0] == key:
+            reason = (
+                f"`{self._bypassed[1]}.step()` was called directly instead of through the `LightningOptimizer` returned"
+                " by `self.optimizers()`, so the weights could not be captured before they changed. Step the"
+                " optimizers returned by `self.optimizers()` (with `use_pl_optimizer=True`) to checkpoint the weights"
+                " that produced the score."
             )
+        elif previously_in_training is False:
+            reason = (
+                f"`{consumer.monitor}` was not logged during training at the previous save, so the weights were not"
+                " captured in this batch."
+            )
+        else:
+            reason = (
+                f"batch {trainer.fit_loop.epoch_loop.batch_idx} of epoch {trainer.current_epoch} took more optimizer"
+                " steps than any batch before it, so no save was expected before its first step."
+            )
+        _warn_once(trainer, _POST_STEP_REASON.format(monitor=consumer.monitor, reason=reason))
         return None
 
 
@@ -362,6 +391,7 @@ def _validation_will_run_after_batch(trainer: "pl.Trainer") -> bool:
 
 
 def _warn_resume_from_pre_step(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
+    """Warns once when training resumes from a checkpoint marked with :data:`PRE_OPTIMIZER_STEP_KEY`."""
     from lightning.pytorch.trainer.states import TrainerFn
 
     marker = checkpoint.get(PRE_OPTIMIZER_STEP_KEY)
@@ -413,10 +443,18 @@ class _TimeTrigger:
 
 
 def _pre_step_state_needed(
-    checkpoint: "ModelCheckpoint", trainer: "pl.Trainer", max_steps_per_batch: Optional[int]
+    checkpoint: "ModelCheckpoint",
+    trainer: "pl.Trainer",
+    max_steps_per_batch: Optional[int],
+    monitor_in_training: Optional[bool],
 ) -> bool:
-    """Whether ``checkpoint`` may save at the end of the current batch, asked before the batch's first step."""
-    if trainer.fast_dev_run or checkpoint.save_top_k == 0:
+    """Whether ``checkpoint`` may save a score logged in the current batch at its end, asked before its first step.
+
+    ``monitor_in_training`` says whether the monitored metric was logged in training at the checkpoint's last save
+    (``None`` before the first): a metric that only validation logs never needs the pre-step state.
+
+    """
+    if trainer.fast_dev_run or checkpoint.save_top_k == 0 or monitor_in_training is False:
         return False
     if checkpoint._train_time_interval is not None and checkpoint._time_trigger.due(trainer, checkpoint):
         return True
