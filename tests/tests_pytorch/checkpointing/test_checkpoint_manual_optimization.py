@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
 
 PRE_KEY = "pre_optimizer_step"
 
@@ -791,3 +791,38 @@ def test_capture_only_in_batches_that_can_save(tmp_path, monkeypatch, fast_dev_r
     assert captured_at == [(0, True), (3, True), (7, True)]
     for cb in (a, b):
         _assert_pre_step(model, _load(cb.best_model_path))
+
+
+class BufferProbe(Callback):
+    """Records where the captured state lives after each batch, to see that the buffers are reused."""
+
+    def __init__(self):
+        self.pointers = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lightning.pytorch.callbacks._pre_step_snapshot import _SNAPSHOTS
+
+        captured = _SNAPSHOTS[trainer]._captured
+        if captured is not None:
+            tensors = [*captured.state_dict.values()]
+            tensors += [s for o in captured.optimizer_states for st in o["state"].values() for s in st.values()]
+            self.pointers.append({(t.device.type, t.data_ptr()) for t in tensors if t.dim() > 0})
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_buffers_are_reused_across_saves(tmp_path, offload):
+    """Memory does not grow with the number of saves: every capture writes into the same tensors."""
+    seed_everything(26)
+    model = Recorder()
+    probe = BufferProbe()
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1, pre_optimizer_step_offload=offload
+    )
+    _trainer(tmp_path, [ckpt, probe], max_steps=6).fit(model)
+    assert len(probe.pointers) == 6
+    assert all(p == probe.pointers[1] for p in probe.pointers[1:])  # the first capture has no optimizer state yet
+    assert all(device == "cpu" for device, _ in probe.pointers[-1])
+    files = _topk_files(tmp_path)
+    assert len(files) == 6
+    for f in files:
+        _assert_pre_step(model, _load(f), expect_optim=True)

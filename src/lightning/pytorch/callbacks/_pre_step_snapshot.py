@@ -68,6 +68,7 @@ class _CapturedState:
         lr_schedulers: The learning-rate schedulers' state dicts, or ``None`` when only weights were captured.
         global_step: ``trainer.global_step`` before the step, i.e. the number of optimizer steps the weights have seen.
         batch_key: Identifies the training batch the state was captured in.
+        copied: Recorded after the copies from CUDA to pinned CPU memory were queued, when the state was offloaded.
 
     """
 
@@ -76,6 +77,13 @@ class _CapturedState:
     lr_schedulers: Optional[list[dict[str, Any]]]
     global_step: int
     batch_key: int
+    copied: Optional["torch.cuda.Event"] = None
+
+    def wait(self) -> None:
+        """Blocks until the copies to pinned CPU memory have completed, when the state was offloaded from CUDA."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
 
     def mark(self, checkpoint: dict[str, Any]) -> None:
         """Records in ``checkpoint`` that its states were captured before the batch's optimizer step."""
@@ -90,29 +98,41 @@ def _batch_key(trainer: "pl.Trainer") -> int:
     return trainer.fit_loop.epoch_loop.batch_progress.total.ready
 
 
-def _copy_into(src: Any, buffer: Any) -> Any:
-    """Copies ``src`` into ``buffer`` where the tensors match, allocating new tensors only where they do not."""
+def _copy_into(src: Any, buffer: Any, offload: bool = False) -> Any:
+    """Copies ``src`` into ``buffer`` where the tensors match, allocating new tensors only where they do not.
+
+    With ``offload=True``, tensors on an accelerator are copied to CPU memory (pinned for CUDA, without blocking the
+    host; see :meth:`_CapturedState.wait`) instead of to the accelerator's memory.
+
+    """
     if isinstance(src, Tensor):
-        if (
+        src = src.detach()
+        # plain tensors only: distributed tensors keep their placement (`ModelParallelStrategy` offloads them itself)
+        to_host = offload and src.device.type != "cpu" and type(src) is Tensor
+        device = torch.device("cpu") if to_host else src.device
+        non_blocking = to_host and src.is_cuda
+        if not (
             isinstance(buffer, Tensor)
             and buffer.shape == src.shape
             and buffer.dtype == src.dtype
-            and buffer.device == src.device
+            and buffer.device == device
         ):
-            return buffer.copy_(src.detach())
-        return src.detach().clone()
+            if not to_host:
+                return src.clone()
+            buffer = torch.empty_like(src, device=device, pin_memory=src.is_cuda)
+        return buffer.copy_(src, non_blocking=non_blocking)
     if isinstance(src, dict):
         old = buffer if isinstance(buffer, dict) else {}
         out = type(src)() if isinstance(src, OrderedDict) else {}
         for key, value in src.items():
-            out[key] = _copy_into(value, old.get(key))
+            out[key] = _copy_into(value, old.get(key), offload)
         metadata = getattr(src, "_metadata", None)
         if metadata is not None:
             out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(src, (list, tuple)):
         old_seq = buffer if isinstance(buffer, (list, tuple)) and len(buffer) == len(src) else [None] * len(src)
-        items = [_copy_into(value, old) for value, old in zip(src, old_seq)]
+        items = [_copy_into(value, old, offload) for value, old in zip(src, old_seq)]
         return items if isinstance(src, list) else type(src)(items)
     if isinstance(src, (int, float, bool, str, bytes, type(None))):
         return src
@@ -269,14 +289,16 @@ class _PreStepSnapshot:
     @torch.no_grad()
     def _capture(self, trainer: "pl.Trainer", key: int, with_optimizers: bool) -> None:
         strategy = trainer.strategy
+        offload = any(consumer._pre_optimizer_step_offload for consumer in self._consumers)
         self._buffers["state_dict"] = _copy_into(
-            strategy.lightning_module_state_dict(), self._buffers.get("state_dict")
+            strategy.lightning_module_state_dict(), self._buffers.get("state_dict"), offload
         )
         optimizer_states = lr_schedulers = None
         if with_optimizers:
             optimizer_states = self._buffers["optimizer_states"] = _copy_into(
                 [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
                 self._buffers.get("optimizer_states"),
+                offload,
             )
             lr_schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         else:
@@ -288,6 +310,11 @@ class _PreStepSnapshot:
             global_step=trainer.global_step,
             batch_key=key,
         )
+        root_device = strategy.root_device
+        if offload and root_device.type == "cuda":
+            # the copies run on the current stream, ahead of the optimizer step; the host waits for them only at save
+            self._captured.copied = torch.cuda.Event()
+            self._captured.copied.record(torch.cuda.current_stream(root_device))
 
     def state_for_batch(
         self, trainer: "pl.Trainer", consumer: "ModelCheckpoint", monitor_logged_in_training: bool
@@ -306,6 +333,7 @@ class _PreStepSnapshot:
         key = _batch_key(trainer)
         if self._captured is not None and self._captured.batch_key == key:
             _warn_legacy_workaround(trainer, trainer.lightning_module)
+            self._captured.wait()
             return self._captured
         if self._stepped_batch != key:
             return None  # no optimizer step in this batch: the live weights produced the score
@@ -342,10 +370,15 @@ def _unsupported_reason(trainer: "pl.Trainer") -> Optional[str]:
     strategy = trainer.strategy
     if isinstance(strategy, DeepSpeedStrategy):
         return "the DeepSpeed engine writes its own checkpoint from the live weights."
-    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+    if isinstance(strategy, FSDPStrategy):
         return (
-            f"capturing sharded weights with `{type(strategy).__name__}` is not supported yet, it would need a"
-            " gather in every batch that saves."
+            "capturing the weights with `FSDPStrategy` is not supported yet. `ModelParallelStrategy` with"
+            " `save_distributed_checkpoint=True` (FSDP2) captures each rank's local shards."
+        )
+    if isinstance(strategy, ModelParallelStrategy) and not strategy._save_distributed_checkpoint:
+        return (
+            "`ModelParallelStrategy(save_distributed_checkpoint=False)` would have to gather the full weights in every"
+            " batch that saves. With `save_distributed_checkpoint=True`, each rank's local shards are captured."
         )
     for callback in trainer.callbacks:
         if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
