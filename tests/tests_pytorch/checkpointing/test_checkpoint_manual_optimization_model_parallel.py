@@ -25,7 +25,10 @@ if not _TORCH_GREATER_EQUAL_2_4:
 
 
 def _full(state_dict):
-    from torch.distributed.tensor import DTensor
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor
 
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state_dict.items()}
 
