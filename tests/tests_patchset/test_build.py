@@ -28,7 +28,7 @@ def demo_project(project: Path) -> Path:
 def _venv(path: Path) -> Path:
     """A fresh venv with its own site-packages that also sees, after its own, this environment's (torch, setuptools)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    python = path / "bin" / "python"
+    python = path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     (_site_packages(python) / "_parent_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
