@@ -359,9 +359,9 @@ def test_validation_monitor_captures_at_most_once(tmp_path, monkeypatch):
     captured_at = []
     original = _PreStepSnapshot._capture
 
-    def spy(self, trainer, key, with_optimizers):
+    def spy(self, trainer, with_optimizers):
         captured_at.append(trainer.global_step)
-        return original(self, trainer, key, with_optimizers)
+        return original(self, trainer, with_optimizers)
 
     monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
     seed_everything(10)
@@ -773,9 +773,9 @@ def test_capture_only_in_batches_that_can_save(tmp_path, monkeypatch, fast_dev_r
     captured_at = []
     original = _PreStepSnapshot._capture
 
-    def spy(self, trainer, key, with_optimizers):
+    def spy(self, trainer, with_optimizers):
         captured_at.append((trainer.global_step, with_optimizers))
-        return original(self, trainer, key, with_optimizers)
+        return original(self, trainer, with_optimizers)
 
     monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
     seed_everything(24)
@@ -791,6 +791,10 @@ def test_capture_only_in_batches_that_can_save(tmp_path, monkeypatch, fast_dev_r
     assert captured_at == [(0, True), (3, True), (7, True)]
     for cb in (a, b):
         _assert_pre_step(model, _load(cb.best_model_path))
+    # the capture had optimizer states for `b`; `a`'s weights-only file does not claim them
+    assert _load(a.best_model_path)[PRE_KEY]["optimizer_states"] is False
+    assert "optimizer_states" not in _load(a.best_model_path)
+    assert _load(b.best_model_path)[PRE_KEY]["optimizer_states"] is True
 
 
 class BufferProbe(Callback):
@@ -809,15 +813,12 @@ class BufferProbe(Callback):
             self.pointers.append({(t.device.type, t.data_ptr()) for t in tensors if t.dim() > 0})
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_buffers_are_reused_across_saves(tmp_path, offload):
+def test_buffers_are_reused_across_saves(tmp_path):
     """Memory does not grow with the number of saves: every capture writes into the same tensors."""
     seed_everything(26)
     model = Recorder()
     probe = BufferProbe()
-    ckpt = ModelCheckpoint(
-        dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1, pre_optimizer_step_offload=offload
-    )
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
     _trainer(tmp_path, [ckpt, probe], max_steps=6).fit(model)
     assert len(probe.pointers) == 6
     assert all(p == probe.pointers[1] for p in probe.pointers[1:])  # the first capture has no optimizer state yet
@@ -826,3 +827,193 @@ def test_buffers_are_reused_across_saves(tmp_path, offload):
     assert len(files) == 6
     for f in files:
         _assert_pre_step(model, _load(f), expect_optim=True)
+
+
+class AmpThenDirect(Recorder):
+    """Batch 1 overflows (the scaler skips the step); batch 2 steps directly first, then through Lightning."""
+
+    def training_step(self, batch, batch_idx):
+        self.pre[self.trainer.global_step] = _clone(self)
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        if batch_idx == 2:
+            raw = self.optimizers(use_pl_optimizer=False)
+            raw.zero_grad()
+            self.manual_backward(self._loss(batch))
+            raw.step()
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self._loss(batch) * (float("inf") if batch_idx == 1 else 1.0))
+        opt.step()
+        return loss
+
+
+@pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"), reason="`torch.amp.GradScaler('cpu')` needs torch 2.3")
+def test_direct_first_step_after_skipped_amp_step(tmp_path):
+    """A step the scaler skipped leaves nothing behind that would hide the next batch's direct first step."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    seed_everything(27)
+    model = AmpThenDirect()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [ckpt], max_steps=4, plugins=[plugin]).fit(model)
+    found = _post_step_warnings(record)
+    assert len(found) == 1
+    assert "was called directly" in str(found[0].message)
+    steps = {_load(f)["global_step"]: _load(f) for f in _topk_files(tmp_path)}
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert PRE_KEY not in steps[3]
+    assert _same(steps[3]["state_dict"], model.post[3])
+    for step in (1, 2, 4):
+        assert PRE_KEY in steps[step]
+        assert _same(steps[step]["state_dict"], model.pre[step - 1])
+
+
+def test_unexpected_full_save_in_a_weights_only_capture(tmp_path):
+    """A full checkpoint never pairs pre-step weights with post-step optimizer states.
+
+    Global steps 1, 2, 3, 5: the batch from 3 to 5 captures weights only, for the weights-only callback expecting
+    step 4; the full callback's save at step 5 was not expected and writes the live state, consistently.
+
+    """
+    seed_everything(28)
+    model = UnevenSteps()
+    a = ModelCheckpoint(dirpath=tmp_path / "a", monitor="train_loss", every_n_train_steps=4, save_weights_only=True)
+    b = ModelCheckpoint(dirpath=tmp_path / "b", monitor="train_loss", every_n_train_steps=5, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [a, b], max_steps=5).fit(model)
+    found = _post_step_warnings(record)
+    assert len(found) == 1
+    assert "only the weights were captured" in str(found[0].message)
+    (f,) = _topk_files(tmp_path / "b")
+    c = _load(f)
+    assert c["global_step"] == 5
+    assert PRE_KEY not in c
+    assert _same(c["state_dict"], model.post[5])
+    assert c["optimizer_states"][0]["state"][0]["step"].item() == 5
+
+
+class LogsAfterStep(Recorder):
+    """Logs its score in ``on_train_batch_end``, from a forward pass on the weights after the step."""
+
+    def __init__(self):
+        super().__init__(monitor="unused")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.log("post_loss", self._loss(batch))
+
+
+def test_score_logged_after_the_step_saves_live_weights(tmp_path, monkeypatch):
+    """A score from a hook that runs after the optimizer step was produced by the live weights."""
+    from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepSnapshot
+
+    captured_at = []
+    original = _PreStepSnapshot._capture
+
+    def spy(self, trainer, with_optimizers):
+        captured_at.append(trainer.global_step)
+        return original(self, trainer, with_optimizers)
+
+    monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
+    seed_everything(29)
+    model = LogsAfterStep()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="post_loss", every_n_train_steps=2, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [ckpt], max_steps=8).fit(model)
+    assert not _post_step_warnings(record)
+    assert captured_at == [0, 1]  # until the first save showed where the score comes from
+    files = _topk_files(tmp_path)
+    assert len(files) == 4
+    for f in files:
+        c = _load(f)
+        assert PRE_KEY not in c
+        assert _same(c["state_dict"], model.post[c["global_step"]])
+
+
+class TiedRecorder(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 4, bias=False)
+        self.decoder = nn.Linear(4, 4, bias=False)
+        self.decoder.weight = self.encoder.weight
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(self.decoder(self.encoder(x))), y)
+
+
+def test_tied_weights_share_one_copy(tmp_path):
+    seed_everything(30)
+    model = TiedRecorder()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=2, save_top_k=-1)
+    _trainer(tmp_path, [ckpt], max_steps=4).fit(model)
+    for f in _topk_files(tmp_path):
+        c = _load(f)
+        _assert_pre_step(model, c)
+        sd = c["state_dict"]
+        assert sd["encoder.weight"].untyped_storage().data_ptr() == sd["decoder.weight"].untyped_storage().data_ptr()
+
+
+class PruneFirstSave(Callback):
+    """Drops a key from the first checkpoint written in each batch, as an ``on_save_checkpoint`` hook may."""
+
+    def __init__(self):
+        self.pruned_at = set()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.global_step not in self.pruned_at:
+            self.pruned_at.add(trainer.global_step)
+            del checkpoint["state_dict"]["layer.bias"]
+
+
+def test_hooks_changing_one_checkpoint_do_not_change_the_next(tmp_path):
+    seed_everything(31)
+    model = Recorder()
+    a = ModelCheckpoint(dirpath=tmp_path / "a", monitor="train_loss", every_n_train_steps=2, save_top_k=-1)
+    b = ModelCheckpoint(dirpath=tmp_path / "b", monitor="train_loss", every_n_train_steps=2, save_top_k=-1, mode="max")
+    _trainer(tmp_path, [a, b, PruneFirstSave()], max_steps=4).fit(model)
+    for f in _topk_files(tmp_path / "a"):
+        assert "layer.bias" not in _load(f)["state_dict"]
+    for f in _topk_files(tmp_path / "b"):
+        _assert_pre_step(model, _load(f))
+
+
+def test_offload_without_pre_step_weights_is_an_error():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="pre_optimizer_step_offload=True"):
+        ModelCheckpoint(monitor="train_loss", save_pre_optimizer_step_weights=False, pre_optimizer_step_offload=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading to pinned memory needs CUDA")
+def test_offload_to_pinned_memory(tmp_path):
+    """Not run where there is no GPU: the captured copy lives in pinned CPU memory and holds the pre-step weights."""
+    seed_everything(32)
+    model = Recorder()
+    probe = BufferProbe()
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1, pre_optimizer_step_offload=True
+    )
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        callbacks=[ckpt, probe],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cuda",
+        devices=1,
+        max_steps=4,
+    )
+    trainer.fit(model)
+    assert all(device == "cpu" for device, _ in probe.pointers[-1])
+    assert all(p == probe.pointers[1] for p in probe.pointers[1:])
+    for f in _topk_files(tmp_path):
+        c = _load(f)
+        before = c[PRE_KEY]["global_step"]
+        assert all(torch.equal(c["state_dict"][k], v.cpu()) for k, v in model.pre[before].items())

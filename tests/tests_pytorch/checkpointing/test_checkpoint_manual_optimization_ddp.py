@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,21 @@ def _fit(strategy, tmp_path):
     ckpt = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", monitor="train_loss", every_n_train_steps=2, save_top_k=-1, save_last=True
     )
+    # due in every batch: rank 0's time decision is broadcast as each batch starts, on every rank
+    timed = ModelCheckpoint(
+        dirpath=tmp_path / "timed",
+        monitor="train_loss",
+        train_time_interval=timedelta(0),
+        save_top_k=-1,
+        filename="timed-{step}",
+    )
     trainer = Trainer(
         default_root_dir=tmp_path,
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=4,
-        callbacks=[ckpt],
+        callbacks=[ckpt, timed],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -81,6 +90,13 @@ def _check(tmp_path):
         assert all(torch.equal(c["state_dict"][k], pre[k]) for k in pre)
         assert not all(torch.equal(c["state_dict"][k], post[k]) for k in post)
         assert len(c["optimizer_states"][0]["state"]) > 0
+    timed = sorted((tmp_path / "timed").glob("*.ckpt"))
+    assert len(timed) == 4
+    for f in timed:
+        c = torch.load(f, map_location="cpu", weights_only=False)
+        pre = torch.load(record_dir / f"pre-{c['global_step'] - 1}.pt")
+        assert c["pre_optimizer_step"]["global_step"] == c["global_step"] - 1
+        assert all(torch.equal(c["state_dict"][k], pre[k]) for k in pre)
     last = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)
     assert "pre_optimizer_step" not in last
     post = torch.load(record_dir / "post-4.pt")

@@ -55,9 +55,14 @@ class ShardedRecorder(LightningModule):
         fully_shard(self.layer, mesh=mesh)
 
     def _record(self, name):
-        weights = _full(self.state_dict())  # a collective: every rank gathers, rank 0 writes
+        # collectives: every rank gathers, rank 0 writes
+        weights = _full(self.state_dict())
+        optimizer = self.optimizers().optimizer
+        names = {param: fqn for fqn, param in self.named_parameters()}
+        exp_avg = _full({names[p]: state["exp_avg"] for p, state in optimizer.state.items()})
         if self.global_rank == 0:
             torch.save(weights, Path(self.record_dir) / f"{name}-{self.trainer.global_step}.pt")
+            torch.save(exp_avg, Path(self.record_dir) / f"{name}-exp_avg-{self.trainer.global_step}.pt")
 
     def training_step(self, batch, batch_idx):
         self._record("pre")
@@ -79,14 +84,38 @@ class ShardedRecorder(LightningModule):
         return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)), batch_size=2)
 
 
-def _fit(tmp_path, save_distributed_checkpoint):
+class AutomaticShardedRecorder(ShardedRecorder):
+    """Automatic optimization: the optimizer step runs the closure, so no gradients exist when the first one starts."""
+
+    def __init__(self, record_dir):
+        super().__init__(record_dir)
+        self.automatic_optimization = True
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_end(self):
+        steps = {float(state["step"]) for state in self.optimizers().optimizer.state.values()}
+        if self.global_rank == 0:
+            torch.save(steps, Path(self.record_dir) / "adam-steps.pt")
+
+
+def _fit(tmp_path, save_distributed_checkpoint, automatic=False):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     seed_everything(31)
     record_dir = tmp_path / "record"
     record_dir.mkdir(exist_ok=True)
     ckpt = ModelCheckpoint(
-        dirpath=tmp_path / "ckpt", monitor="train_loss", every_n_train_steps=2, save_top_k=-1, save_last=True
+        dirpath=tmp_path / "ckpt",
+        monitor="train_loss",
+        every_n_train_steps=1 if automatic else 2,
+        save_top_k=-1,
+        save_last=True,
+        save_pre_optimizer_step_weights=automatic or None,
     )
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint
@@ -104,19 +133,19 @@ def _fit(tmp_path, save_distributed_checkpoint):
     )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        trainer.fit(ShardedRecorder(str(record_dir)))
+        trainer.fit((AutomaticShardedRecorder if automatic else ShardedRecorder)(str(record_dir)))
     if trainer.global_rank == 0:
         told = [str(w.message) for w in record if "after* the optimizer step" in str(w.message)]
         (tmp_path / "warnings.txt").write_text("\n".join(told))
 
 
-def _run(tmp_path, save_distributed_checkpoint):
+def _run(tmp_path, save_distributed_checkpoint, automatic=False):
     # the strategy launches the other rank by re-running the command line, so run the fit as a script of its own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path[1:], os.environ.get("PYTHONPATH", "")])}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     result = subprocess.run(
-        [sys.executable, __file__, str(tmp_path), str(int(save_distributed_checkpoint))],
+        [sys.executable, __file__, str(tmp_path), str(int(save_distributed_checkpoint)), str(int(automatic))],
         env=env,
         capture_output=True,
         text=True,
@@ -158,7 +187,10 @@ def test_model_parallel_captures_local_shards(tmp_path):
         assert _same(c["state_dict"], pre)
         assert not _same(c["state_dict"], post)
         assert c["pre_optimizer_step"]["optimizer_states"] is True
-        assert c["optimizer_0"]["state"]
+        # the optimizer state is from the same instant as the weights
+        exp_avg = {fqn: state["exp_avg"] for fqn, state in c["optimizer_0"]["state"].items()}
+        assert _same(exp_avg, torch.load(record_dir / f"pre-exp_avg-{before}.pt"))
+        assert not _same(exp_avg, torch.load(record_dir / f"post-exp_avg-{c['global_step']}.pt"))
     last = _load(ckpt_dir / "last.ckpt", tmp_path)
     assert "pre_optimizer_step" not in last
     assert _same(last["state_dict"], torch.load(record_dir / "post-4.pt"))
@@ -177,5 +209,24 @@ def test_model_parallel_full_state_dict_warns(tmp_path):
         assert _same(c["state_dict"], torch.load(record_dir / f"post-{c['global_step']}.pt"))
 
 
+@pytest.mark.timeout(300)
+def test_model_parallel_never_initializes_the_optimizer(tmp_path):
+    """Reading an empty sharded optimizer state would run a zero-lr step; the first batch captures weights only."""
+    _run(tmp_path, save_distributed_checkpoint=True, automatic=True)
+    # Adam stepped exactly once per batch: nothing stepped it to read its state
+    assert torch.load(tmp_path / "record" / "adam-steps.pt") == {4.0}
+    told = (tmp_path / "warnings.txt").read_text()
+    assert told.count("after* the optimizer step") == 1
+    assert "the optimizer had no state yet" in told
+    steps = {}
+    for f in (tmp_path / "ckpt").glob("epoch=*.ckpt"):
+        c = _load(f, tmp_path)
+        steps[c["global_step"]] = c
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert "pre_optimizer_step" not in steps[1]  # the full save in the first batch could not be pre-step
+    for step in (2, 3, 4):
+        assert steps[step]["pre_optimizer_step"] == {"global_step": step - 1, "optimizer_states": True}
+
+
 if __name__ == "__main__":
-    _fit(Path(sys.argv[1]), bool(int(sys.argv[2])))
+    _fit(Path(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))

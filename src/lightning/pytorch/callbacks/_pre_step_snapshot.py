@@ -24,7 +24,7 @@ written in place of the live state; the live model is never modified.
 import copy
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 from weakref import WeakKeyDictionary, ref
 
@@ -89,8 +89,29 @@ class _CapturedState:
         """Records in ``checkpoint`` that its states were captured before the batch's optimizer step."""
         checkpoint[PRE_OPTIMIZER_STEP_KEY] = {
             "global_step": self.global_step,
-            "optimizer_states": self.optimizer_states is not None,
+            "optimizer_states": "optimizer_states" in checkpoint,
         }
+
+    def for_writing(self) -> "_CapturedState":
+        """A view whose containers ``on_save_checkpoint`` hooks may change without touching the buffers."""
+        return replace(
+            self,
+            state_dict=_shallow_copy(self.state_dict),
+            optimizer_states=_shallow_copy(self.optimizer_states),
+            lr_schedulers=_shallow_copy(self.lr_schedulers),
+        )
+
+
+def _shallow_copy(obj: Any) -> Any:
+    """Copies the dicts and lists of a nested state, sharing its tensors."""
+    if isinstance(obj, dict):
+        out = type(obj)((key, _shallow_copy(value)) for key, value in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_shallow_copy(value) for value in obj]
+    return obj
 
 
 def _batch_key(trainer: "pl.Trainer") -> int:
@@ -98,16 +119,24 @@ def _batch_key(trainer: "pl.Trainer") -> int:
     return trainer.fit_loop.epoch_loop.batch_progress.total.ready
 
 
-def _copy_into(src: Any, buffer: Any, offload: bool = False) -> Any:
+def _copy_into(src: Any, buffer: Any, offload: bool = False, _seen: Optional[dict] = None) -> Any:
     """Copies ``src`` into ``buffer`` where the tensors match, allocating new tensors only where they do not.
 
     With ``offload=True``, tensors on an accelerator are copied to CPU memory (pinned for CUDA, without blocking the
-    host; see :meth:`_CapturedState.wait`) instead of to the accelerator's memory.
+    host; see :meth:`_CapturedState.wait`) instead of to the accelerator's memory. Tensors that share memory in
+    ``src`` (tied weights) share one copy.
 
     """
+    seen: dict = {} if _seen is None else _seen
     if isinstance(src, Tensor):
         src = src.detach()
-        # plain tensors only: distributed tensors keep their placement (`ModelParallelStrategy` offloads them itself)
+        if type(src) is not Tensor and not hasattr(src, "to_local"):
+            return src.clone()  # a tensor subclass (e.g. quantized weights) may not support copying into a buffer
+        tied = (src.device, src.data_ptr(), src.dtype, src.shape, src.stride()) if type(src) is Tensor else None
+        if tied is not None and tied in seen:
+            return seen[tied]
+        seen_key = tied
+        # plain tensors only: distributed tensors keep their placement
         to_host = offload and src.device.type != "cpu" and type(src) is Tensor
         device = torch.device("cpu") if to_host else src.device
         non_blocking = to_host and src.is_cuda
@@ -117,22 +146,23 @@ def _copy_into(src: Any, buffer: Any, offload: bool = False) -> Any:
             and buffer.dtype == src.dtype
             and buffer.device == device
         ):
-            if not to_host:
-                return src.clone()
-            buffer = torch.empty_like(src, device=device, pin_memory=src.is_cuda)
-        return buffer.copy_(src, non_blocking=non_blocking)
+            buffer = torch.empty_like(src, device=device, pin_memory=src.is_cuda) if to_host else None
+        copied = src.clone() if buffer is None else buffer.copy_(src, non_blocking=non_blocking)
+        if seen_key is not None:
+            seen[seen_key] = copied
+        return copied
     if isinstance(src, dict):
         old = buffer if isinstance(buffer, dict) else {}
         out = type(src)() if isinstance(src, OrderedDict) else {}
         for key, value in src.items():
-            out[key] = _copy_into(value, old.get(key), offload)
+            out[key] = _copy_into(value, old.get(key), offload, seen)
         metadata = getattr(src, "_metadata", None)
         if metadata is not None:
             out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(src, (list, tuple)):
         old_seq = buffer if isinstance(buffer, (list, tuple)) and len(buffer) == len(src) else [None] * len(src)
-        items = [_copy_into(value, old, offload) for value, old in zip(src, old_seq)]
+        items = [_copy_into(value, old, offload, seen) for value, old in zip(src, old_seq)]
         return items if isinstance(src, list) else type(src)(items)
     if isinstance(src, (int, float, bool, str, bytes, type(None))):
         return src
@@ -156,15 +186,15 @@ class _PreStepSnapshot:
         self._installed = False
         self._buffers: dict[str, Any] = {}
         self._captured: Optional[_CapturedState] = None
-        # batch bookkeeping
-        self._stepped_batch: Optional[int] = None
+        # batch bookkeeping, reset in `on_train_batch_start`
+        self._batch: Optional[int] = None  # key of the current batch
+        self._plan: Optional[bool] = None  # capture before the first step (with optimizer states if True)
+        self._stepped = False  # whether an optimizer stepped in the current batch
+        self._bypassed: Optional[str] = None  # the optimizer whose direct step was the batch's first step
         self._steps_in_batch = 0
         self._max_steps_per_batch: Optional[int] = None
-        self._pending_lightning_steps = 0
-        # the batch whose first step bypassed `LightningOptimizer`, and the optimizer's class name
-        self._bypassed: Optional[tuple[int, str]] = None
-        # per consumer: whether its monitored metric was logged in training at its last save
-        self._monitor_in_training: dict[ModelCheckpoint, bool] = {}
+        # per consumer: whether its monitored metric was logged before the optimizer step at its last save
+        self._monitor_before_step: dict[ModelCheckpoint, bool] = {}
 
     # ------------------------------------------------------------------------------------------------------------
     # registration
@@ -185,7 +215,7 @@ class _PreStepSnapshot:
             snapshot = _SNAPSHOTS[trainer] = cls(trainer)
         if consumer not in snapshot._consumers:
             snapshot._consumers.append(consumer)
-        snapshot._monitor_in_training.pop(consumer, None)
+        snapshot._monitor_before_step.pop(consumer, None)
         snapshot._install()
         return snapshot
 
@@ -193,7 +223,7 @@ class _PreStepSnapshot:
         """Removes ``consumer``; the hooks and buffers are released with the last one."""
         if consumer in self._consumers:
             self._consumers.remove(consumer)
-        self._monitor_in_training.pop(consumer, None)
+        self._monitor_before_step.pop(consumer, None)
         if not self._consumers:
             self._uninstall()
             self._buffers = {}
@@ -230,85 +260,94 @@ class _PreStepSnapshot:
     # ------------------------------------------------------------------------------------------------------------
     # hooks
     # ------------------------------------------------------------------------------------------------------------
-    def _on_lightning_step(self) -> None:
-        """Called by ``LightningOptimizer.step`` before the strategy runs the optimizer step."""
-        trainer = self._fitting_trainer()
-        if trainer is None:
-            return
-        self._pending_lightning_steps += 1
+    def on_train_batch_start(self, trainer: "pl.Trainer") -> None:
+        """Plans the batch: whether to capture before its first optimizer step, decided once and on every rank.
+
+        Called by each consumer's ``on_train_batch_start``, which every rank runs, so that decisions that communicate
+        across ranks (the ``train_time_interval`` broadcast) never depend on whether a rank steps its optimizers.
+
+        """
         key = _batch_key(trainer)
-        if key == self._stepped_batch:
-            self._steps_in_batch += 1
+        if key == self._batch:
             return
-        # first optimizer step of this batch
-        self._begin_batch(key)
-        self._steps_in_batch = 1
-        # ask every consumer (no short-circuit: time-based triggers make their per-batch decision here on all ranks)
+        if self._batch is not None:
+            self._max_steps_per_batch = max(self._max_steps_per_batch or 0, self._steps_in_batch)
+        self._batch, self._stepped, self._bypassed, self._steps_in_batch = key, False, None, 0
+        self._plan = None
+        if trainer.sanity_checking:
+            return
+        # ask every consumer (no short-circuit: time-based triggers make their per-batch decision here)
+        max_steps = self._max_steps_per_batch
         needs = [
-            _pre_step_state_needed(
-                consumer, trainer, self._max_steps_per_batch, self._monitor_in_training.get(consumer)
-            )
+            _pre_step_state_needed(consumer, trainer, max_steps, self._monitor_before_step.get(consumer))
             for consumer in self._consumers
         ]
         wanted = [consumer for consumer, need in zip(self._consumers, needs) if need]
         if wanted:
-            self._capture(trainer, key, with_optimizers=any(not consumer.save_weights_only for consumer in wanted))
+            self._plan = any(not consumer.save_weights_only for consumer in wanted)
 
-    def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """Step pre-hook of the wrapped optimizers: detects steps that did not go through ``LightningOptimizer``."""
-        if self._pending_lightning_steps > 0:
-            self._pending_lightning_steps -= 1
-            return
-        trainer = self._fitting_trainer()
+    def _on_lightning_step(self) -> None:
+        """Called by ``LightningOptimizer.step`` before the strategy runs the optimizer step."""
+        trainer = self._batch_trainer()
         if trainer is None:
             return
-        key = _batch_key(trainer)
-        if key != self._stepped_batch:
-            # the batch's first step changes the weights before anything could capture them
-            self._begin_batch(key)
-            self._bypassed = (key, type(optimizer).__name__)
+        self._steps_in_batch += 1
+        if self._stepped:
+            return
+        self._stepped = True
+        if self._plan is not None:
+            self._capture(trainer, with_optimizers=self._plan)
 
-    def _fitting_trainer(self) -> Optional["pl.Trainer"]:
+    def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook of the wrapped optimizers: detects a first step that did not go through ``LightningOptimizer``.
+
+        A step through ``LightningOptimizer`` has already been seen by :meth:`_on_lightning_step` when this runs.
+
+        """
+        if self._stepped or self._batch_trainer() is None:
+            return
+        # the batch's first step changes the weights before anything could capture them
+        self._stepped = True
+        self._bypassed = type(optimizer).__name__
+
+    def _batch_trainer(self) -> Optional["pl.Trainer"]:
+        """The trainer, if it is inside the training batch that :meth:`on_train_batch_start` planned."""
         from lightning.pytorch.trainer.states import TrainerFn
 
         trainer = self._trainer()
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+        if (
+            trainer is None
+            or trainer.state.fn != TrainerFn.FITTING
+            or trainer.sanity_checking
+            or _batch_key(trainer) != self._batch
+        ):
             return None
         return trainer
-
-    def _begin_batch(self, key: int) -> None:
-        if self._stepped_batch is not None:
-            self._max_steps_per_batch = max(self._max_steps_per_batch or 0, self._steps_in_batch)
-        self._stepped_batch = key
-        self._steps_in_batch = 0
-        self._pending_lightning_steps = min(self._pending_lightning_steps, 1)
 
     # ------------------------------------------------------------------------------------------------------------
     # capture
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _capture(self, trainer: "pl.Trainer", key: int, with_optimizers: bool) -> None:
+    def _capture(self, trainer: "pl.Trainer", with_optimizers: bool) -> None:
         strategy = trainer.strategy
         offload = any(consumer._pre_optimizer_step_offload for consumer in self._consumers)
-        self._buffers["state_dict"] = _copy_into(
-            strategy.lightning_module_state_dict(), self._buffers.get("state_dict"), offload
-        )
-        optimizer_states = lr_schedulers = None
-        if with_optimizers:
+        module_state, optimizer_states = _states_to_capture(strategy, with_optimizers, offload)
+        self._buffers["state_dict"] = _copy_into(module_state, self._buffers.get("state_dict"), offload)
+        lr_schedulers = None
+        if optimizer_states is not None:
             optimizer_states = self._buffers["optimizer_states"] = _copy_into(
-                [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
-                self._buffers.get("optimizer_states"),
-                offload,
+                optimizer_states, self._buffers.get("optimizer_states"), offload
             )
             lr_schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         else:
             self._buffers.pop("optimizer_states", None)
+        assert self._batch is not None
         self._captured = _CapturedState(
             state_dict=self._buffers["state_dict"],
             optimizer_states=optimizer_states,
             lr_schedulers=lr_schedulers,
             global_step=trainer.global_step,
-            batch_key=key,
+            batch_key=self._batch,
         )
         root_device = strategy.root_device
         if offload and root_device.type == "cuda":
@@ -316,35 +355,41 @@ class _PreStepSnapshot:
             self._captured.copied = torch.cuda.Event()
             self._captured.copied.record(torch.cuda.current_stream(root_device))
 
-    def state_for_batch(
-        self, trainer: "pl.Trainer", consumer: "ModelCheckpoint", monitor_logged_in_training: bool
-    ) -> Optional[_CapturedState]:
-        """The state captured in the current training batch, for a save of ``consumer`` at the end of it.
+    def state_for_batch(self, trainer: "pl.Trainer", consumer: "ModelCheckpoint") -> Optional[_CapturedState]:
+        """The state captured in the current training batch, for a top-k save of ``consumer`` at the end of it.
 
-        Returns ``None`` when the live state is the one to save: the monitored score was not logged in training (it
-        comes from validation, which saw the live weights), or no optimizer stepped in this batch. Warns once when
-        an optimizer stepped but its weights could not be captured.
+        Returns ``None`` when the live state is the one to save: the monitored score was not logged before the
+        optimizer step (it comes from validation, or from a hook after the step), or no optimizer stepped in this
+        batch. Warns once when an optimizer stepped but the state the save needs could not be captured.
 
         """
-        previously_in_training = self._monitor_in_training.get(consumer)
-        self._monitor_in_training[consumer] = monitor_logged_in_training
-        if not monitor_logged_in_training:
-            return None
+        assert consumer.monitor is not None
+        before_step = _monitor_logged_before_step(trainer, consumer.monitor)
+        previously_before_step = self._monitor_before_step.get(consumer)
+        self._monitor_before_step[consumer] = before_step
         key = _batch_key(trainer)
-        if self._captured is not None and self._captured.batch_key == key:
+        if not before_step or key != self._batch or not self._stepped:
+            return None  # not a training score, or no optimizer step in this batch: the live weights produced it
+        captured = self._captured if self._captured is not None and self._captured.batch_key == key else None
+        if captured is not None and (consumer.save_weights_only or captured.optimizer_states is not None):
             _warn_legacy_workaround(trainer, trainer.lightning_module)
-            self._captured.wait()
-            return self._captured
-        if self._stepped_batch != key:
-            return None  # no optimizer step in this batch: the live weights produced the score
-        if self._bypassed is not None and self._bypassed[0] == key:
+            captured.wait()
+            return captured
+        if self._bypassed is not None:
             reason = (
-                f"`{self._bypassed[1]}.step()` was called directly instead of through the `LightningOptimizer` returned"
+                f"`{self._bypassed}.step()` was called directly instead of through the `LightningOptimizer` returned"
                 " by `self.optimizers()`, so the weights could not be captured before they changed. Step the"
                 " optimizers returned by `self.optimizers()` (with `use_pl_optimizer=True`) to checkpoint the weights"
                 " that produced the score."
             )
-        elif previously_in_training is False:
+        elif captured is not None:
+            reason = (
+                "the optimizer had no state yet, and reading a sharded optimizer state would have initialized it."
+                if self._plan
+                else "only the weights were captured in this batch, not the optimizer states this checkpoint also"
+                " holds, because no save with optimizer states was expected in it."
+            )
+        elif previously_before_step is False:
             reason = (
                 f"`{consumer.monitor}` was not logged during training at the previous save, so the weights were not"
                 " captured in this batch."
@@ -389,10 +434,42 @@ def _unsupported_reason(trainer: "pl.Trainer") -> Optional[str]:
     return None
 
 
+def _states_to_capture(
+    strategy: "pl.strategies.Strategy", with_optimizers: bool, offload: bool
+) -> tuple[dict[str, Any], Optional[list[dict[str, Any]]]]:
+    """The module's and, if requested, the optimizers' states as the strategy checkpoints them, without a gather.
+
+    ``ModelParallelStrategy`` returns each rank's local shards. Its own state dicts are offloaded to the CPU in fresh
+    memory; unless ``offload`` asks for exactly that, they are read on the device so that the copy into the buffers is
+    the only copy. An optimizer that has no state yet would be initialized by reading its sharded state (a step with
+    zero learning rate), so optimizer states are then not captured.
+
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    optimizers = [getattr(optimizer, "_optimizer", optimizer) for optimizer in strategy.optimizers]
+    if not isinstance(strategy, ModelParallelStrategy):
+        module_state = strategy.lightning_module_state_dict()
+        return module_state, [strategy.optimizer_state(opt) for opt in optimizers] if with_optimizers else None
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    assert strategy.model is not None
+    options = StateDictOptions(full_state_dict=False, cpu_offload=offload)
+    module_state = get_model_state_dict(strategy.model, options=options)
+    uninitialized = any(
+        not opt.state and all(p.grad is None for group in opt.param_groups for p in group["params"])
+        for opt in optimizers
+    )
+    if not with_optimizers or uninitialized:
+        return module_state, None
+    return module_state, [get_optimizer_state_dict(strategy.model, opt, options=options) for opt in optimizers]
+
+
 def _save_captured_checkpoint(trainer: "pl.Trainer", filepath: str, weights_only: bool, state: _CapturedState) -> None:
     """Like :meth:`~lightning.pytorch.trainer.trainer.Trainer.save_checkpoint`, but writes the captured state."""
     with trainer.profiler.profile("save_checkpoint"):
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only, captured_state=state)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only, captured_state=state.for_writing())
         trainer.strategy.save_checkpoint(checkpoint, filepath)
         trainer.strategy.barrier("Trainer.save_checkpoint")
 
@@ -404,6 +481,33 @@ def _monitor_logged_in_training(trainer: "pl.Trainer", monitor: str) -> bool:
     results = trainer.fit_loop.epoch_loop._results
     for result_metric in results.values():
         if isinstance(result_metric, _ResultMetric):
+            meta = result_metric.meta
+            if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
+                return True
+    return False
+
+
+#: Hooks that run before the optimizer steps of a training batch: a metric logged in them was computed (unless the
+#: module stepped before computing it) by the weights the batch started with.
+_PRE_STEP_HOOKS = frozenset(
+    {
+        "on_train_batch_start",
+        "training_step",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+    }
+)
+
+
+def _monitor_logged_before_step(trainer: "pl.Trainer", monitor: str) -> bool:
+    """Whether ``monitor`` was logged in the current epoch from a hook that runs before the optimizer step."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    results = trainer.fit_loop.epoch_loop._results
+    for result_metric in results.values():
+        if isinstance(result_metric, _ResultMetric) and result_metric.meta.fx in _PRE_STEP_HOOKS:
             meta = result_metric.meta
             if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
                 return True
@@ -479,15 +583,15 @@ def _pre_step_state_needed(
     checkpoint: "ModelCheckpoint",
     trainer: "pl.Trainer",
     max_steps_per_batch: Optional[int],
-    monitor_in_training: Optional[bool],
+    monitor_before_step: Optional[bool],
 ) -> bool:
-    """Whether ``checkpoint`` may save a score logged in the current batch at its end, asked before its first step.
+    """Whether ``checkpoint`` may save a score logged in the current batch at its end, asked as the batch starts.
 
-    ``monitor_in_training`` says whether the monitored metric was logged in training at the checkpoint's last save
-    (``None`` before the first): a metric that only validation logs never needs the pre-step state.
+    ``monitor_before_step`` says whether the monitored metric was logged before the optimizer step at the checkpoint's
+    last save (``None`` before the first): a metric that only validation logs never needs the pre-step state.
 
     """
-    if trainer.fast_dev_run or checkpoint.save_top_k == 0 or monitor_in_training is False:
+    if trainer.fast_dev_run or checkpoint.save_top_k == 0 or monitor_before_step is False:
         return False
     if checkpoint._train_time_interval is not None and checkpoint._time_trigger.due(trainer, checkpoint):
         return True
