@@ -14,7 +14,7 @@ each is kept. Prints steps per second of wall time and of CPU time (the process'
 
 Throughput ratios between processes vary by 10-15% on a shared machine, more than the effect being measured. So the
 fork's runs also account, inside the same run, for the time spent in the pre-step machinery itself (the hook before
-each optimizer step, the captures, and the per-save bookkeeping) as a share of the step time. That share does not
+each batch and optimizer step, the captures, and the per-save bookkeeping) as a share of the step time. That share does not
 depend on how fast the machine happens to be, and ``1 - share`` is the fork's throughput relative to post-step saves.
 
 Usage::
@@ -143,6 +143,7 @@ except ImportError:  # stock Lightning: nothing to account for
     pass
 else:
     # `_on_lightning_step` includes the captures it makes; `_capture` is wrapped as well only to count them
+    account.wrap(_pre_step_snapshot._PreStepSnapshot, "on_train_batch_start")
     account.wrap(_pre_step_snapshot._PreStepSnapshot, "_on_lightning_step")
     account.wrap(_pre_step_snapshot._PreStepSnapshot, "_on_optimizer_step")
     account.wrap(_pre_step_snapshot._PreStepSnapshot, "state_for_batch")
