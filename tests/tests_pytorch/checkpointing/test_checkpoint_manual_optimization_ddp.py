@@ -18,11 +18,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 class DDPRecorder(LightningModule):
     """Saves its weights before each batch's optimizer step to files, so that ``ddp_spawn`` workers can report them."""
 
-    def __init__(self, record_dir):
+    def __init__(self, record_dir, zero=False):
         super().__init__()
         self.automatic_optimization = False
         self.layer = nn.Linear(4, 1)
         self.record_dir = record_dir
+        self.zero = zero
 
     def training_step(self, batch, batch_idx):
         weights = {k: v.detach().clone() for k, v in self.state_dict().items()}
@@ -41,6 +42,11 @@ class DDPRecorder(LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            # reading its state consolidates it on rank 0, a collective inside the capture
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
         return torch.optim.Adam(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
@@ -48,7 +54,7 @@ class DDPRecorder(LightningModule):
         return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)), batch_size=2)
 
 
-def _fit(strategy, tmp_path):
+def _fit(strategy, tmp_path, zero=False):
     seed_everything(30)
     record_dir = tmp_path / "record"
     record_dir.mkdir(exist_ok=True)
@@ -74,7 +80,7 @@ def _fit(strategy, tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(DDPRecorder(str(record_dir)))
+    trainer.fit(DDPRecorder(str(record_dir), zero=zero))
 
 
 def _check(tmp_path):
@@ -106,6 +112,12 @@ def _check(tmp_path):
 @pytest.mark.timeout(180)
 def test_ddp_spawn_two_processes(tmp_path):
     _fit("ddp_spawn", tmp_path)
+    _check(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_ddp_spawn_zero_redundancy_optimizer(tmp_path):
+    _fit("ddp_spawn", tmp_path, zero=True)
     _check(tmp_path)
 
 
