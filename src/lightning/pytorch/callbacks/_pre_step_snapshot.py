@@ -107,7 +107,7 @@ def _shallow_copy(obj: Any) -> Any:
     if isinstance(obj, dict):
         out = type(obj)((key, _shallow_copy(value)) for key, value in obj.items())
         if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
+            out._metadata = obj._metadata
         return out
     if isinstance(obj, list):
         return [_shallow_copy(value) for value in obj]
@@ -158,7 +158,7 @@ def _copy_into(src: Any, buffer: Any, offload: bool = False, _seen: Optional[dic
             out[key] = _copy_into(value, old.get(key), offload, seen)
         metadata = getattr(src, "_metadata", None)
         if metadata is not None:
-            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+            out._metadata = copy.deepcopy(metadata)
         return out
     if isinstance(src, (list, tuple)):
         old_seq = buffer if isinstance(buffer, (list, tuple)) and len(buffer) == len(src) else [None] * len(src)
