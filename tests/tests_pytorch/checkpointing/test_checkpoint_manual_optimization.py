@@ -104,6 +104,22 @@ class Recorder(LightningModule):
         return DataLoader(_data(), batch_size=2)
 
 
+@pytest.fixture
+def captures(monkeypatch):
+    """Records ``(global_step, with_optimizers)`` for every capture of the pre-step state, and still captures."""
+    from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepSnapshot
+
+    seen = []
+    original = _PreStepSnapshot._capture
+
+    def spy(self, trainer, with_optimizers):
+        seen.append((trainer.global_step, with_optimizers))
+        return original(self, trainer, with_optimizers)
+
+    monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
+    return seen
+
+
 def _trainer(tmp_path, callbacks, **kwargs):
     kwargs.setdefault("max_epochs", 1)
     return Trainer(
@@ -352,18 +368,8 @@ def test_validation_monitor_deferred_saves_live_weights(tmp_path, val_check_inte
     assert _same(_load(ckpt.best_model_path)["state_dict"], model.post[_load(ckpt.best_model_path)["global_step"]])
 
 
-def test_validation_monitor_captures_at_most_once(tmp_path, monkeypatch):
+def test_validation_monitor_captures_at_most_once(tmp_path, captures):
     """A metric only validation logs never needs the pre-step weights: after its first save, nothing is captured."""
-    from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepSnapshot
-
-    captured_at = []
-    original = _PreStepSnapshot._capture
-
-    def spy(self, trainer, with_optimizers):
-        captured_at.append(trainer.global_step)
-        return original(self, trainer, with_optimizers)
-
-    monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
     seed_everything(10)
     model = ValRecorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_top_k=-1)
@@ -373,7 +379,7 @@ def test_validation_monitor_captures_at_most_once(tmp_path, monkeypatch):
     assert model.trainer.global_step == 40
     # only until the first save (step 2) showed that `val_loss` is not a training metric: the first batch (steps per
     # batch unknown yet) and the batch of that save
-    assert captured_at == [0, 1]
+    assert [step for step, _ in captures] == [0, 1]
     assert not _post_step_warnings(record)
     files = _topk_files(tmp_path)
     assert len(files) > 10
@@ -767,17 +773,7 @@ def test_warns_when_a_batch_takes_more_steps_than_expected(tmp_path):
 
 
 @pytest.mark.parametrize("fast_dev_run", [False, True])
-def test_capture_only_in_batches_that_can_save(tmp_path, monkeypatch, fast_dev_run):
-    from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepSnapshot
-
-    captured_at = []
-    original = _PreStepSnapshot._capture
-
-    def spy(self, trainer, with_optimizers):
-        captured_at.append((trainer.global_step, with_optimizers))
-        return original(self, trainer, with_optimizers)
-
-    monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
+def test_capture_only_in_batches_that_can_save(tmp_path, captures, fast_dev_run):
     seed_everything(24)
     model = Recorder()
     # two callbacks that save in the same batches share one capture; only one of them needs the optimizer states
@@ -785,10 +781,10 @@ def test_capture_only_in_batches_that_can_save(tmp_path, monkeypatch, fast_dev_r
     b = ModelCheckpoint(dirpath=tmp_path / "b", monitor="train_loss", every_n_train_steps=4, mode="max")
     _trainer(tmp_path, [a, b], fast_dev_run=fast_dev_run).fit(model)
     if fast_dev_run:
-        assert captured_at == []
+        assert captures == []
         return
     # the first batch (steps per batch not known yet), then the batches whose step reaches 4 and 8
-    assert captured_at == [(0, True), (3, True), (7, True)]
+    assert captures == [(0, True), (3, True), (7, True)]
     for cb in (a, b):
         _assert_pre_step(model, _load(cb.best_model_path))
     # the capture had optimizer states for `b`; `a`'s weights-only file does not claim them
@@ -908,18 +904,8 @@ class LogsAfterStep(Recorder):
         self.log("post_loss", self._loss(batch))
 
 
-def test_score_logged_after_the_step_saves_live_weights(tmp_path, monkeypatch):
+def test_score_logged_after_the_step_saves_live_weights(tmp_path, captures):
     """A score from a hook that runs after the optimizer step was produced by the live weights."""
-    from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepSnapshot
-
-    captured_at = []
-    original = _PreStepSnapshot._capture
-
-    def spy(self, trainer, with_optimizers):
-        captured_at.append(trainer.global_step)
-        return original(self, trainer, with_optimizers)
-
-    monkeypatch.setattr(_PreStepSnapshot, "_capture", spy)
     seed_everything(29)
     model = LogsAfterStep()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="post_loss", every_n_train_steps=2, save_top_k=-1)
@@ -927,7 +913,7 @@ def test_score_logged_after_the_step_saves_live_weights(tmp_path, monkeypatch):
         warnings.simplefilter("always")
         _trainer(tmp_path, [ckpt], max_steps=8).fit(model)
     assert not _post_step_warnings(record)
-    assert captured_at == [0, 1]  # until the first save showed where the score comes from
+    assert [step for step, _ in captures] == [0, 1]  # until the first save showed where the score comes from
     files = _topk_files(tmp_path)
     assert len(files) == 4
     for f in files:
