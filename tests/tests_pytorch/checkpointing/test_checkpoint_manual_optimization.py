@@ -134,6 +134,14 @@ def _trainer(tmp_path, callbacks, **kwargs):
     )
 
 
+def _fit_recording_warnings(trainer, model, **fit_kwargs):
+    """Fits ``model`` and returns every warning raised meanwhile."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model, **fit_kwargs)
+    return record
+
+
 def _load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -373,9 +381,8 @@ def test_validation_monitor_captures_at_most_once(tmp_path, captures):
     seed_everything(10)
     model = ValRecorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_epochs=5, val_check_interval=4, num_sanity_val_steps=0).fit(model)
+    trainer = _trainer(tmp_path, [ckpt], max_epochs=5, val_check_interval=4, num_sanity_val_steps=0)
+    record = _fit_recording_warnings(trainer, model)
     assert model.trainer.global_step == 40
     # only until the first save (step 2) showed that `val_loss` is not a training metric: the first batch (steps per
     # batch unknown yet) and the batch of that save
@@ -415,9 +422,8 @@ def test_monitor_that_moves_to_training_is_captured_again(tmp_path):
     seed_everything(25)
     model = LateTrainingMetric()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="score", every_n_train_steps=2, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_epochs=2, val_check_interval=4, num_sanity_val_steps=0).fit(model)
+    trainer = _trainer(tmp_path, [ckpt], max_epochs=2, val_check_interval=4, num_sanity_val_steps=0)
+    record = _fit_recording_warnings(trainer, model)
     found = _post_step_warnings(record)
     assert len(found) == 1
     assert "was not logged during training at the previous save" in str(found[0].message)
@@ -546,9 +552,7 @@ def test_saved_models_workaround_still_gets_right_weights(tmp_path):
     seed_everything(16)
     model = SavedModelsModule()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=2, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_epochs=2).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_epochs=2), model)
     told = [w for w in record if "saved_models" in str(w.message)]
     assert len(told) == 1
     assert "no longer needed" in str(told[0].message)
@@ -564,9 +568,7 @@ def test_no_warning_in_normal_case(tmp_path):
     seed_everything(17)
     model = Recorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=2)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_steps=4).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_steps=4), model)
     assert not _post_step_warnings(record)
     assert not [w for w in record if "saved_models" in str(w.message)]
 
@@ -599,9 +601,7 @@ def test_warns_once_when_optimizer_bypasses_lightning(tmp_path):
     seed_everything(18)
     model = RawOptimizerModule(raw_first=True)
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4), model)
     found = _post_step_warnings(record)
     assert len(found) == 1
     assert "`Adam.step()` was called directly" in str(found[0].message)
@@ -619,9 +619,7 @@ def test_direct_step_after_the_first_is_captured_without_warning(tmp_path):
     seed_everything(18)
     model = RawOptimizerModule(raw_first=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4), model)
     assert not _post_step_warnings(record)
     files = _topk_files(tmp_path)
     assert len(files) == 4
@@ -634,10 +632,8 @@ def test_no_warning_when_direct_steps_save_nothing(tmp_path):
     seed_everything(18)
     model = RawOptimizerModule(lightning_optimizer=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer = _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4)
-        trainer.fit(model)
+    trainer = _trainer(tmp_path, [ckpt], max_epochs=1, limit_train_batches=4)
+    record = _fit_recording_warnings(trainer, model)
     assert trainer.global_step == 0
     assert not _topk_files(tmp_path)
     assert not _post_step_warnings(record)
@@ -650,9 +646,7 @@ def test_warns_once_with_weight_averaging(tmp_path):
         dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_pre_optimizer_step_weights=True
     )
     swa = StochasticWeightAveraging(swa_lrs=0.01)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt, swa], max_epochs=2).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt, swa], max_epochs=2), model)
     found = _post_step_warnings(record)
     assert len(found) == 1
     assert "StochasticWeightAveraging" in str(found[0].message)
@@ -664,9 +658,7 @@ def test_monitor_none_is_post_step_without_warning(tmp_path):
     seed_everything(20)
     model = Recorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_steps=4).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_steps=4), model)
     assert not _post_step_warnings(record)
     c = _load(_topk_files(tmp_path)[-1])
     assert PRE_KEY not in c
@@ -684,9 +676,7 @@ def test_resume(tmp_path, source):
 
     resumed = Recorder()
     ckpt2 = ModelCheckpoint(dirpath=tmp_path / "resumed", monitor="train_loss", every_n_train_steps=2)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt2], max_steps=6).fit(resumed, ckpt_path=path)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt2], max_steps=6), resumed, ckpt_path=path)
     told = [w for w in record if "resuming from a checkpoint that holds the weights from before" in str(w.message)]
     assert len(told) == (1 if source == "topk" else 0)
     # the first resumed batch starts from the weights in the file
@@ -759,9 +749,7 @@ def test_warns_when_a_batch_takes_more_steps_than_expected(tmp_path):
     seed_everything(23)
     model = UnevenSteps()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=5, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_steps=5).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_steps=5), model)
     found = _post_step_warnings(record)
     assert len(found) == 1
     assert "more optimizer steps than any batch before it" in str(found[0].message)
@@ -853,9 +841,7 @@ def test_direct_first_step_after_skipped_amp_step(tmp_path):
     model = AmpThenDirect()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", every_n_train_steps=1, save_top_k=-1)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_steps=4, plugins=[plugin]).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_steps=4, plugins=[plugin]), model)
     found = _post_step_warnings(record)
     assert len(found) == 1
     assert "was called directly" in str(found[0].message)
@@ -879,9 +865,7 @@ def test_unexpected_full_save_in_a_weights_only_capture(tmp_path):
     model = UnevenSteps()
     a = ModelCheckpoint(dirpath=tmp_path / "a", monitor="train_loss", every_n_train_steps=4, save_weights_only=True)
     b = ModelCheckpoint(dirpath=tmp_path / "b", monitor="train_loss", every_n_train_steps=5, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [a, b], max_steps=5).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [a, b], max_steps=5), model)
     found = _post_step_warnings(record)
     assert len(found) == 1
     assert "only the weights were captured" in str(found[0].message)
@@ -909,9 +893,7 @@ def test_score_logged_after_the_step_saves_live_weights(tmp_path, captures):
     seed_everything(29)
     model = LogsAfterStep()
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="post_loss", every_n_train_steps=2, save_top_k=-1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _trainer(tmp_path, [ckpt], max_steps=8).fit(model)
+    record = _fit_recording_warnings(_trainer(tmp_path, [ckpt], max_steps=8), model)
     assert not _post_step_warnings(record)
     assert [step for step, _ in captures] == [0, 1]  # until the first save showed where the score comes from
     files = _topk_files(tmp_path)

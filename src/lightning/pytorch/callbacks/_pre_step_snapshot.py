@@ -135,7 +135,6 @@ def _copy_into(src: Any, buffer: Any, offload: bool = False, _seen: Optional[dic
         tied = (src.device, src.data_ptr(), src.dtype, src.shape, src.stride()) if type(src) is Tensor else None
         if tied is not None and tied in seen:
             return seen[tied]
-        seen_key = tied
         # plain tensors only: distributed tensors keep their placement
         to_host = offload and src.device.type != "cpu" and type(src) is Tensor
         device = torch.device("cpu") if to_host else src.device
@@ -148,8 +147,8 @@ def _copy_into(src: Any, buffer: Any, offload: bool = False, _seen: Optional[dic
         ):
             buffer = torch.empty_like(src, device=device, pin_memory=src.is_cuda) if to_host else None
         copied = src.clone() if buffer is None else buffer.copy_(src, non_blocking=non_blocking)
-        if seen_key is not None:
-            seen[seen_key] = copied
+        if tied is not None:
+            seen[tied] = copied
         return copied
     if isinstance(src, dict):
         old = buffer if isinstance(buffer, dict) else {}
@@ -474,17 +473,22 @@ def _save_captured_checkpoint(trainer: "pl.Trainer", filepath: str, weights_only
         trainer.strategy.barrier("Trainer.save_checkpoint")
 
 
-def _monitor_logged_in_training(trainer: "pl.Trainer", monitor: str) -> bool:
-    """Whether ``monitor`` was logged from a training hook (e.g. ``training_step``) in the current epoch."""
+def _hooks_logging(trainer: "pl.Trainer", monitor: str) -> set[str]:
+    """The training hooks (e.g. ``training_step``) that logged ``monitor`` in the current epoch."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
-    results = trainer.fit_loop.epoch_loop._results
-    for result_metric in results.values():
+    hooks = set()
+    for result_metric in trainer.fit_loop.epoch_loop._results.values():
         if isinstance(result_metric, _ResultMetric):
             meta = result_metric.meta
             if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
-                return True
-    return False
+                hooks.add(meta.fx)
+    return hooks
+
+
+def _monitor_logged_in_training(trainer: "pl.Trainer", monitor: str) -> bool:
+    """Whether ``monitor`` was logged from a training hook (e.g. ``training_step``) in the current epoch."""
+    return bool(_hooks_logging(trainer, monitor))
 
 
 #: Hooks that run before the optimizer steps of a training batch: a metric logged in them was computed (unless the
@@ -503,15 +507,7 @@ _PRE_STEP_HOOKS = frozenset(
 
 def _monitor_logged_before_step(trainer: "pl.Trainer", monitor: str) -> bool:
     """Whether ``monitor`` was logged in the current epoch from a hook that runs before the optimizer step."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-
-    results = trainer.fit_loop.epoch_loop._results
-    for result_metric in results.values():
-        if isinstance(result_metric, _ResultMetric) and result_metric.meta.fx in _PRE_STEP_HOOKS:
-            meta = result_metric.meta
-            if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
-                return True
-    return False
+    return not _hooks_logging(trainer, monitor).isdisjoint(_PRE_STEP_HOOKS)
 
 
 def _validation_will_run_after_batch(trainer: "pl.Trainer") -> bool:
