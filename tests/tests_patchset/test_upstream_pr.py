@@ -12,6 +12,7 @@ from patchset.pin import read_pin
 from patchset.series import ChangelogEntry
 from patchset.upstream_pr import insert_changelog, upstream_pr
 
+PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"
 MESSAGE = """fabric: add a demo helper
 
 Why: the demo needs it.
@@ -19,10 +20,17 @@ Why: the demo needs it.
 Bug: https://github.com/Lightning-AI/pytorch-lightning/issues/21308
 Mirrors: https://github.com/Lightning-AI/pytorch-lightning/pull/21309
 Forwarded: no
-Applied-Upstream: no
 New-Files: src/lightning/fabric/utilities/_demo.py tests/tests_fabric/utilities/test_demo*.py
 Changelog: fabric Fixed: Fixed the demo ([#21308](https://github.com/Lightning-AI/pytorch-lightning/issues/21308))
 """
+
+
+@pytest.fixture(autouse=True)
+def project_identity(monkeypatch):
+    """Patches carry the project's identity (the tests' default identity is a placeholder, which upstream-pr refuses)."""
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
 
 
 @pytest.fixture
@@ -130,9 +138,9 @@ def test_bad_changelog_field_is_named(demo_project: Path):
 
     patch = demo_project / "patches" / "0002-fabric-add-a-demo-helper.patch"
     patch.write_text(patch.read_text().replace("Changelog: fabric Fixed:", "Changelog: fabric Repaired:"))
-    finding = check(demo_project)[1]
+    (finding,) = [f for f in check(demo_project) if "Changelog" in f.message]
     assert finding.ok is False
-    assert "bad Changelog field 'fabric Repaired:" in finding.message
+    assert "0002-fabric-add-a-demo-helper.patch: bad Changelog field 'fabric Repaired:" in finding.message
 
 
 def test_only_fork_fields_are_dropped_and_folded_lines_go_with_them(project: Path, upstream_checkout: Path):
@@ -162,4 +170,4 @@ def test_only_fork_fields_are_dropped_and_folded_lines_go_with_them(project: Pat
         in (upstream_checkout / "src/lightning/fabric/CHANGELOG.md").read_text()
     )
     # the maintainer's own identity commits in their checkout, not the tool's
-    assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == "Patch Set Tests <tests@patchset.invalid>"
+    assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == f"Lightning patch set <{PROJECT_EMAIL}>"
