@@ -68,7 +68,9 @@ def _import_pr(args: argparse.Namespace) -> int:
     result = import_pr(args.project, args.patch, args.onto.resolve(), args.branch, args.base)
     print(f"{result.patch}: {len(result.upstream_only)} upstream-only sections, {len(result.new_files)} new files")
     for path in result.not_taken:
-        print(f"not taken: {path} (a file the sdist ships, or a new file no New-Files glob owns): edit it in .work/tree")
+        print(
+            f"not taken: {path} (a file the sdist ships, or a new file no New-Files glob owns): edit it in .work/tree"
+        )
     return 0
 
 
@@ -144,7 +146,10 @@ def parser() -> argparse.ArgumentParser:
 
     cmd = sub.add_parser("check", help="the series' rules; every patch applies to the pinned base with zero fuzz")
     cmd.add_argument(
-        "--upstream", type=Path, metavar="CHECKOUT", help="also apply each upstream-bound patch, whole, to this checkout"
+        "--upstream",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also apply each upstream-bound patch, whole, to this checkout",
     )
     cmd.add_argument("--base", help="with --upstream: the branch or commit (default: upstream's default branch)")
     cmd.set_defaults(run=_check)

@@ -129,8 +129,10 @@ def unexported_work(project: Path, workspace: Path) -> list[str]:
 
 
 def preview(project: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """The series file and patches as they are, and as exporting would write them (from the workspace if there is
-    one, else from a fresh materialization, as on CI or in a fresh clone)."""
+    """The series file and patches as they are, and as exporting would write them.
+
+    From the workspace if there is one, else from a fresh materialization, as on CI or in a fresh clone.
+    """
     workspace = project / WORKSPACE
     current = series_files(project / "patches")
     if workspace.exists():

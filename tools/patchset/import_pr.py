@@ -39,9 +39,7 @@ def sdist_paths(project: Path) -> frozenset[str]:
         return frozenset(m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile() and "/" in m.name)
 
 
-def import_pr(
-    project: Path, ref: str, onto: Path, branch: str | None = None, base: str | None = None
-) -> ImportResult:
+def import_pr(project: Path, ref: str, onto: Path, branch: str | None = None, base: str | None = None) -> ImportResult:
     """Write the upstream-only sections and new files of ``branch`` (in checkout ``onto``) back into the patch."""
     from patchset.export import unexported_work
 

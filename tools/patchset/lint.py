@@ -66,7 +66,9 @@ def _series_file(project: Path) -> list[str]:
         return []  # read_series names the missing file
     listed = [line.split("#", 1)[0].strip() for line in series.read_text(encoding="utf-8").splitlines()]
     listed = [name for name in listed if name]
-    problems = [f"{SERIES_FILE}: {name} is listed more than once" for name in sorted(set(listed)) if listed.count(name) > 1]
+    problems = [
+        f"{SERIES_FILE}: {name} is listed more than once" for name in sorted(set(listed)) if listed.count(name) > 1
+    ]
     known = {SERIES_FILE.name, PIN_FILE.name, *listed}
     for path in sorted(series.parent.iterdir()):
         if path.is_file() and path.name not in known:
@@ -100,7 +102,9 @@ def _patch(patch: Patch) -> list[str]:
             problems.append(f"creates {section.path}: new files live in the project's overlay, owned by New-Files")
         for line in section.text.split(b"\n"):
             if line.startswith(b"+") and not line.startswith(b"+++ ") and _ends_in_blank(line):
-                problems.append(f"{section.path}: an added line ends in whitespace: {line[:60].decode(errors='replace')!r}")
+                problems.append(
+                    f"{section.path}: an added line ends in whitespace: {line[:60].decode(errors='replace')!r}"
+                )
                 break
     return problems
 

@@ -8,6 +8,7 @@ Those *upstream-only* sections are skipped when the fork is built (``git am --ex
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ def split_patch(data: bytes) -> tuple[bytes, list[Section]]:
     head, body = data[: match.start()], data[match.start() :]
     starts = [m.start() for m in _SECTION.finditer(body)] + [len(body)]
     sections = []
-    for begin, end in zip(starts, starts[1:]):
+    for begin, end in itertools.pairwise(starts):
         text = body[begin:end]
         path = _PATH.match(text)
         if path is None:

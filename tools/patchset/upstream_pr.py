@@ -94,15 +94,21 @@ def _head(onto: Path) -> str:
     return proc.stdout.decode().strip() if proc.returncode == 0 else out(onto, "rev-parse", "HEAD", isolated=False)
 
 
-def _restore(onto: Path, original: str, branch: str, created: bool) -> str | None:
-    """Undo a failed attempt; return what could not be undone, or ``None`` once the checkout is verified clean."""
+def _restore(onto: Path, original: str, branch: str, previous: str | None) -> str | None:
+    """Undo a failed attempt: the branch back at ``previous``, or gone.
+
+    Returns what could not be undone, or ``None`` once the checkout is verified clean.
+    """
     if (onto / ".git" / "rebase-apply").exists():
         git(onto, "am", "--abort", check=False, isolated=False)
     git(onto, "reset", "-q", "--hard", check=False, isolated=False)
     git(onto, "clean", "-q", "-fd", check=False, isolated=False)
-    git(onto, "checkout", "-q", original, check=False, isolated=False)
-    if created:
+    git(onto, "checkout", "-q", "--detach", check=False, isolated=False)
+    if previous:
+        git(onto, "branch", "-q", "-f", branch, previous, check=False, isolated=False)
+    else:
         git(onto, "branch", "-q", "-D", branch, check=False, isolated=False)
+    git(onto, "checkout", "-q", original, check=False, isolated=False)
     left = []
     if (onto / ".git" / "rebase-apply").exists():
         left.append("a `git am` session is still open")
@@ -158,13 +164,12 @@ def upstream_pr(
     if exists and not force:
         raise PatchsetError(f"{onto}: branch {branch} exists; pass --force to recreate it from {base}")
     original = _head(onto)
-    if exists and original == branch:
-        raise PatchsetError(f"{onto}: {branch} is checked out; switch to another branch before recreating it")
+    previous = out(onto, "rev-parse", branch, isolated=False) if exists else None
     git(onto, "checkout", "-q", "-B" if force else "-b", branch, base, isolated=False)
     try:
         _commit(project, patch, onto, new_files, who)
     except PatchsetError as err:
-        left = _restore(onto, original, branch, created=True)
+        left = _restore(onto, original, branch, previous)
         if left:
             raise PatchsetError(f"{err}\nand {onto} could not be put back: {left}") from err
         raise
@@ -182,9 +187,11 @@ def _commit(project: Path, patch: Patch, onto: Path, new_files: list[str], autho
     name, _, address = author.partition(" <")
     # a maintainer's own identity commits; a checkout with none (CI) commits as the author
     env = None if identity else {"GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": address.rstrip(">")}
-    proc = am(onto, "-q", "-3", "--keep-cr", str(patch.path), isolated=False, env=env)
+    proc = am(onto, "-3", "--keep-cr", str(patch.path), isolated=False, env=env)
     if proc.returncode != 0:
-        detail = (proc.stderr or proc.stdout).decode(errors="replace").strip()
+        # git's own account (which file conflicts, and how), without its advice on an am session we abort
+        lines = (proc.stdout + proc.stderr).decode(errors="replace").splitlines()
+        detail = "\n".join(line for line in lines if "git am " not in line and "resolved this problem" not in line)
         raise PatchsetError(f"{patch.name} does not apply to {onto}; git said:\n{detail}")
     for rel in new_files:
         (onto / rel).parent.mkdir(parents=True, exist_ok=True)

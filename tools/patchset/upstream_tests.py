@@ -71,6 +71,7 @@ class Record:
     on_base: dict[str, Outcome] = field(default_factory=dict)
     base_runs: str = "all"
     seconds: float = 0.0
+    upstream_subject: str = ""
 
     def counts(self, results: dict[str, Outcome]) -> dict[str, int]:
         """Passed, failed and skipped."""
@@ -107,10 +108,10 @@ class Record:
             "| | |",
             "|---|---|",
             f"| patch blob | `{self.blob}` |",
-            f"| upstream commit | `{self.upstream}` ({self.base}) |",
+            f"| upstream commit | `{self.upstream}` ({self.base}: {self.upstream_subject}) |",
             f"| installed as | `{self.package}` with torch {self.torch} (CPU), `{self.package}-test` extra, Python"
             f" {sys.version_info.major}.{sys.version_info.minor} |",
-            f"| selection | {', '.join(f'`{s}`' for s in self.selection)}, and their standalone tests one per process |",
+            f"| selection | {', '.join(f'`{s}`' for s in self.selection)}, their standalone tests one per process |",
             f"| on the PR branch | {b['passed']} passed, {b['failed']} failed, {b['skipped']} skipped |",
             f"| on the base ({base_what}) | {a['passed']} passed, {a['failed']} failed, {a['skipped']} skipped |",
             f"| failures caused by the patch | **{len(self.caused)}** |",
@@ -134,7 +135,7 @@ def _cell(text: str) -> str:
 def blob_hash(path: Path) -> str:
     """The patch file's git blob id (what ``git hash-object`` prints)."""
     data = path.read_bytes()
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # noqa: S324 - git's object id, not security
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def package_of(patch: Patch) -> str:
@@ -198,8 +199,10 @@ def run_selection(python: Path, onto: Path, selection: list[str], report: Path) 
     env.update({"PL_RUN_CUDA_TESTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"})
     common = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--timeout={_TIMEOUT}"]
     common += ["-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
-    subprocess.run([str(python), *common, f"--junitxml={report}", *selection], cwd=onto, env=env)
+    proc = subprocess.run([str(python), *common, f"--junitxml={report}", *selection], cwd=onto, env=env)
     results = parse_junit(report)
+    if proc.returncode not in (0, 1) or not results:
+        raise PatchsetError(f"pytest could not run {' '.join(selection)} in {onto} (exit code {proc.returncode})")
     standalone = {**env, "PL_RUN_STANDALONE_TESTS": "1"}
     listed = subprocess.run(
         [str(python), "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *selection],
@@ -243,6 +246,7 @@ def run_upstream_tests(
         torch=torch,
         selection=selection,
         base_runs=base_runs,
+        upstream_subject=out(onto, "log", "-1", "--format=%s", start_commit, isolated=False),
     )
     started = time.monotonic()
     interpreter = Path(python) if python else environment(onto, package, torch)
