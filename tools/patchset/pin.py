@@ -127,7 +127,7 @@ _FRONTEND_VARIABLES = ("PEP517_BUILD_BACKEND", "PEP517_BACKEND_PATH")
 _FRONTEND_PREFIXES = ("_PYPROJECT_HOOKS_",)
 
 
-class ReleaseNotFound(PatchsetError):
+class ReleaseNotFoundError(PatchsetError):
     """The index has no sdist of the requested release."""
 
 
@@ -143,7 +143,7 @@ def hook_free_environ() -> dict[str, str]:
 def pip_download(name: str, version: str, dest: Path) -> Path:
     """Download the sdist of exactly ``name`` ``version`` into ``dest`` with pip (the user's index settings apply).
 
-    Raises :class:`ReleaseNotFound` when the index has no such release.
+    Raises :class:`ReleaseNotFoundError` when the index has no such release.
     """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
     if all(importlib.util.find_spec(module) for module in ("setuptools", "wheel", "packaging")):
@@ -157,17 +157,19 @@ def pip_download(name: str, version: str, dest: Path) -> Path:
     if proc.returncode == 0 and len(found) == 1:
         return found[0]
     lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-    if any("No matching distribution found" in line for line in lines):
-        raise ReleaseNotFound(f"your index has no sdist of {name} {version}")
     errors = [line for line in lines if line.lower().startswith("error:") and not line.endswith("Exception:")]
     # pip's own errors first; for a traceback, its last line names the exception
     reason = errors[0] if errors else (lines[-1] if lines else "no output")
     if len(reason) > 300:
         reason = reason[:300] + "..."
-    raise PatchsetError(
+    missing = any("No matching distribution found" in line for line in lines)
+    if missing:
+        reason = f"your index has no sdist of {name} {version}"
+    message = (
         f"could not download the {name} {version} sdist with pip ({reason}); set {SDIST_ENV} to a local copy"
         " for offline use"
     )
+    raise ReleaseNotFoundError(message) if missing else PatchsetError(message)
 
 
 def cache_sdist(path: Path, sha256: str) -> Path:
