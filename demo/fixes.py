@@ -87,7 +87,7 @@ def port_race() -> dict[str, Any]:
     import lightning
     from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: F401  (import once)
 
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")  # fork: no re-import of torch
     barrier, results = ctx.Barrier(PICKERS), ctx.Queue()
     procs = [ctx.Process(target=_picker, args=(barrier, results)) for _ in range(PICKERS)]
     for proc in procs:
@@ -104,7 +104,11 @@ def port_race() -> dict[str, Any]:
 
 
 def stock_env(version: str) -> dict[str, str] | None:
-    """An environment whose `import lightning` is stock `lightning==version` (installed once into the cache)."""
+    """An environment whose `import lightning` is stock `lightning==version` (installed once into the cache).
+
+    `pip install --target` plus `PYTHONPATH` (about 2 s, once) rather than a venv: `--system-site-packages` of a venv
+    made from inside another venv would see the base interpreter's packages, not this environment's torch.
+    """
     base = os.environ.get("LIGHTNING_PATCHSET_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lightning-patchset"
     )
