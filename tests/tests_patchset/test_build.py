@@ -238,9 +238,10 @@ def test_cold_cache_inside_pips_build_hook(
 ):
     """The backend downloads the sdist with pip from inside pip's own hook (no warm cache, no override).
 
-    Without build isolation the inner pip is the frontend's own (pip 23 hands the hook `PEP517_BACKEND_PATH`, newer
-    pips `_PYPROJECT_HOOKS_BACKEND_PATH`); with it, the build environment's. Either way the hook's variables must not
-    reach the inner pip. A build of the fork that `lightning==2.6.6` would match sits next to upstream's sdist.
+    Without build isolation the inner pip is the frontend's own (pip 23 and 24 hand the hook `PEP517_BACKEND_PATH`,
+    pip 25 and later `_PYPROJECT_HOOKS_BACKEND_PATH`); with it, the build environment's. Either way the hook's
+    variables must not reach the inner pip. A build of the fork that `lightning==2.6.6` would match sits next to
+    upstream's sdist.
     """
     links = tmp_path / "links"
     links.mkdir()

@@ -119,10 +119,10 @@ def fetch_sdist(pin: Pin) -> Path:
 
 # What a build frontend sets for the hook it runs. Inside our hook, they would steer the inner ``pip download`` (which
 # runs upstream's setuptools hooks to read the sdist's metadata) to *our* backend and backend-path: pyproject-hooks
-# before 1.1 (pip before 24.1, e.g. the pip 23.2 a fresh venv bundles) and the ``pep517`` package use the
-# ``PEP517_*`` names, later ones ``_PYPROJECT_HOOKS_*``. pip's other variables stay: ``PATH`` and ``PYTHONPATH``
-# make the hook's build environment, and ``PIP_BUILD_TRACKER`` is shared on purpose so that pip notices a build that
-# recursively needs itself.
+# 1.0 (vendored by pip 23 and 24, e.g. the pip 23.2 a fresh venv bundles) and the ``pep517`` package use the
+# ``PEP517_*`` names, 1.2 (pip 25 and later) ``_PYPROJECT_HOOKS_*``. pip's other variables stay: ``PATH`` and
+# ``PYTHONPATH`` make the hook's build environment, and ``PIP_BUILD_TRACKER`` is shared on purpose so that pip notices
+# a build that recursively needs itself.
 _FRONTEND_VARIABLES = ("PEP517_BUILD_BACKEND", "PEP517_BACKEND_PATH")
 _FRONTEND_PREFIXES = ("_PYPROJECT_HOOKS_",)
 
