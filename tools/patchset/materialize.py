@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
@@ -226,11 +227,29 @@ def materialize_workspace(project: Path, force: bool = False) -> Path:
             make_workspace(project, repo)
             record_snapshot(project, repo)
             if workspace.exists():
-                if previous.exists():
-                    shutil.rmtree(previous)
+                keep_previous_tree(project)
                 os.rename(workspace, previous)
             os.rename(repo, workspace)
     return workspace
+
+
+def keep_previous_tree(project: Path) -> Path | None:
+    """Move an earlier ``.work/previous-tree`` aside as ``previous-tree-<UTC time>``, so no backup is overwritten.
+
+    ``materialize_workspace`` keeps the workspace it replaces as ``.work/previous-tree`` and calls this first.
+    Returns where the earlier backup went, if there was one.
+    """
+    previous = (project / WORKSPACE).with_name("previous-tree")
+    if not previous.exists() or not (project / WORKSPACE).exists():
+        return None  # materialize will not replace it
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = previous.with_name(f"previous-tree-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = previous.with_name(f"previous-tree-{stamp}-{n}")
+    os.rename(previous, target)
+    return target
 
 
 @contextmanager

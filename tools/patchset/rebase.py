@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import git, out
-from patchset.materialize import BASE_TAG, WORKSPACE, materialize_workspace, write_version
+from patchset.materialize import BASE_TAG, materialize_workspace, write_version
 from patchset.pin import (
     Pin,
     ReleaseNotFoundError,
@@ -47,7 +45,6 @@ def rebase(project: Path, version: str, sdist: Path | None = None, sha256: str |
     old = read_pin(project)
     path, actual = _new_release(old, version, sdist, sha256)
     new = replace(old, version=version, sdist=path.name, sha256=actual, local_version="patchset.1")
-    keep_previous_tree(project)
     workspace = materialize_workspace(project)  # refuses to replace work that was not exported
     before = out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
     subjects = {c: out(workspace, "log", "-1", "--format=%s", c) for c in before}
@@ -91,25 +88,6 @@ def _new_release(old: Pin, version: str, sdist: Path | None, sha256: str | None)
         if sha256 and actual != sha256.lower():
             raise PatchsetError(f"{path}: sha256 {actual} does not match the given {sha256}; nothing was changed")
         return cache_sdist(path, actual), actual
-
-
-def keep_previous_tree(project: Path) -> Path | None:
-    """Move an earlier ``.work/previous-tree`` aside as ``previous-tree-<UTC time>``, so no backup is overwritten.
-
-    ``materialize_workspace`` keeps the workspace it replaces as ``.work/previous-tree``, replacing the one there;
-    ``rebase`` calls this first. Returns where the earlier backup went, if there was one.
-    """
-    previous = (project / WORKSPACE).with_name("previous-tree")
-    if not previous.exists() or not (project / WORKSPACE).exists():
-        return None  # materialize will not replace it
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = previous.with_name(f"previous-tree-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = previous.with_name(f"previous-tree-{stamp}-{n}")
-    os.rename(previous, target)
-    return target
 
 
 def _commits(workspace: Path) -> list[str]:
