@@ -146,3 +146,23 @@ def test_export_refuses_uncommitted_edits_and_names_them(upstream_patch: Path, r
 )
 def test_placeholder_authors(author: str, ok: bool):
     assert (placeholder_author(author) is None) == ok
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ("Forwarded: no", "Forwarded:no", "'Forwarded:no' is not a `Key: value` field"),
+        ("Forwarded: no", "forwarded: no", "'forwarded: no' is not a `Key: value` field"),
+        ("Forwarded: no", "Forwarded : no", "'Forwarded : no' is not a `Key: value` field"),
+        ("Forwarded: no", "ChangeLog: fabric Fixed: x\nForwarded: no", "'ChangeLog: fabric Fixed: x' is not a"),
+        ("Forwarded: no", "Forwarded: no\nForwarded: not-needed", "needs exactly one `Forwarded:` field"),
+        ("Forwarded: no", "Applied-upstream: 2.7.0\nForwarded: no", "'Applied-upstream: 2.7.0' is not a"),
+        ("Forwarded: no\n", "", "needs exactly one `Forwarded:` field"),
+        ("Why it exists.", "Why it exists.\nForwarded: not-needed", "is not in the last paragraph, where fields go"),
+        ("Forwarded: no", "Forwarded: no\nDepends-On: 0009-missing.patch", "Depends-On: 0009-missing.patch is not an"),
+    ],
+)
+def test_a_typo_in_a_field_never_changes_where_the_patch_goes(upstream_patch: Path, old: str, new: str, problem: str):
+    _edit(upstream_patch, old, new)
+    failures = _failures(upstream_patch.parents[1])
+    assert any(problem in f for f in failures), failures

@@ -161,3 +161,98 @@ def test_import_pr_refuses_unexported_work(demo: Path, upstream: Path):
     git(demo / WORKSPACE, "commit", "-qam", "wip\n\nWhy.\n\nForwarded: no")
     with pytest.raises(PatchsetError, match="has work not exported"):
         import_pr(demo, "2", upstream)
+
+
+def _second_patch(project: Path, upstream: Path, subject: str, depends: str | None, change: str) -> None:
+    """Add a patch in the workspace (stacked: on __init__.py after 0002; else on seed.py), then a conftest hunk."""
+    workspace = project / WORKSPACE
+    init = workspace / ("src/lightning/fabric/utilities/" + ("__init__.py" if depends else "seed.py"))
+    init.write_text(init.read_text() + f"# {subject}\n")
+    fields = "Forwarded: no\n" + (f"Depends-On: {depends}\n" if depends else "")
+    git(workspace, "commit", "-qam", f"fabric: {subject}\n\nWhy.\n\n{fields}")
+    export(project)
+    upstream_pr(project, "3", upstream, force=True)
+    conftest = upstream / CONFTEST
+    conftest.write_text(conftest.read_text() + change)
+    git(upstream, "commit", "-qa", "--amend", "--no-edit")
+    import_pr(project, "3", upstream)
+    git(upstream, "checkout", "-q", "main")
+
+
+def test_import_pr_of_a_stacked_patch_takes_only_its_own_change(demo: Path, upstream: Path):
+    first = read_series(demo)[1].name
+    _second_patch(demo, upstream, "stacked", first, "# stacked\n")
+    upstream_pr(demo, "2", upstream, force=True)  # the PR it stacks on is made again (upstream-tests does this)
+    git(upstream, "checkout", "-q", "main")
+    result = import_pr(demo, "3", upstream)
+    assert result.upstream_only == [CONFTEST]
+    assert result.not_taken == []
+    section = next(s for s in split_patch(read_series(demo)[2].path.read_bytes())[1] if s.path == CONFTEST)
+    assert b"+# stacked" in section.text
+    assert b"addinivalue_line" not in section.text.split(b"@@", 2)[2].replace(b" config.addinivalue", b"")
+    assert all(f.ok for f in check_upstream(demo, upstream, "main"))
+
+
+def test_check_upstream_applies_each_patch_at_its_own_base(demo: Path, upstream: Path):
+    # independent of 0002, but changing the same upstream-only file elsewhere: applies on its own, as its PR would
+    _second_patch(demo, upstream, "independent", None, "# independent\n")
+    findings = check_upstream(demo, upstream, "main")
+    assert [f.ok for f in findings] == [True, True], [f.message for f in findings]
+    # a patch that needs 0002's change but does not say Depends-On fails, as upstream-pr would
+    workspace = demo / WORKSPACE
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    text = init.read_text()
+    init.write_text(text.replace("import VALUE  # noqa: F401", "import VALUE as VALUE  # noqa: F401"))
+    git(workspace, "commit", "-qam", "fabric: needs the demo\n\nWhy.\n\nForwarded: no\n")
+    export(demo)
+    (finding,) = [f for f in check_upstream(demo, upstream, "main") if f.name.startswith("0004")]
+    assert not finding.ok
+    assert "does not apply to main" in finding.message
+
+
+def test_export_refuses_to_lose_or_garble_upstream_only_sections(demo: Path, upstream: Path):
+    first = read_series(demo)[1].name
+    _second_patch(demo, upstream, "second", None, "# second\n")
+    workspace = demo / WORKSPACE
+    # a squash joins two notes that both change the conftest: refuse, say how to combine them
+    git(workspace, "reset", "-q", "--soft", "HEAD~1")
+    git(workspace, "commit", "-q", "--amend", "--no-edit")
+    git(
+        workspace,
+        "notes",
+        "--ref=refs/notes/patchset-upstream-only",
+        "append",
+        "-C",
+        git(workspace, "notes", "--ref=refs/notes/patchset-upstream-only", "list", "ORIG_HEAD"),
+        "HEAD",
+    )
+    with pytest.raises(PatchsetError, match=f"two upstream-only sections for {CONFTEST}"):
+        export(demo)
+    # a cherry-pick recreates a commit without its note: refuse rather than drop the section
+    materialize_workspace(demo, force=True)
+    git(workspace, "reset", "-q", "--hard", "HEAD~1")
+    git(workspace, "cherry-pick", "ORIG_HEAD")
+    with pytest.raises(PatchsetError, match=f"would drop upstream-only sections .*second: {CONFTEST}"):
+        export(demo)
+    assert first in [p.name for p in read_series(demo)]
+
+
+def test_unusual_paths_in_upstream_only_sections(project: Path, upstream: Path):
+    odd = ["docs/source-fabric/a b/c.md", "tests/tests_fabric/tést data.txt"]
+    for rel in odd:
+        write(upstream / rel, "line\n")
+    git(upstream, "add", "-A")
+    git(upstream, "commit", "-qm", "odd names")
+    write(project / "src/lightning/fabric/utilities/_demo.py", "VALUE = 1\n")
+    workspace = materialize_workspace(project)
+    git(workspace, "commit", "-q", "--allow-empty", "-m", MESSAGE)
+    export(project)
+    upstream_pr(project, "2", upstream)
+    for rel in odd:
+        (upstream / rel).write_text("line\nchanged\n")
+    git(upstream, "commit", "-qa", "--amend", "--no-edit")
+    assert sorted(import_pr(project, "2", upstream).upstream_only) == sorted(odd)
+    assert export(project, check=True) == []
+    assert all(f.ok for f in check(project))
+    upstream_pr(project, "2", upstream, force=True, base="main")
+    assert all((upstream / rel).read_text() == "line\nchanged\n" for rel in odd)

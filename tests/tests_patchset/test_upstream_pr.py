@@ -1,5 +1,7 @@
 """upstream-pr against a git repository built from the real sdist."""
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -128,9 +130,10 @@ def test_insert_changelog(before: str, after: str):
     assert insert_changelog(before, ChangelogEntry("fabric", "Fixed", "X")) == after
 
 
-def test_insert_changelog_needs_a_release_heading():
-    with pytest.raises(PatchsetError, match="no `## ` release heading"):
-        insert_changelog("# Changelog\n", ChangelogEntry("fabric", "Fixed", "X"))
+@pytest.mark.parametrize("text", ["# Changelog\n", "# Changelog\n\n## [2.6.6] - 2026-11-01\n\n### Fixed\n\n- A\n"])
+def test_insert_changelog_needs_an_unreleased_heading(text: str):
+    with pytest.raises(PatchsetError, match=r"first `## ` heading is not `## \[unreleased\]`"):
+        insert_changelog(text, ChangelogEntry("fabric", "Fixed", "X"))
 
 
 def test_bad_changelog_field_is_named(demo_project: Path):
@@ -236,3 +239,49 @@ def test_a_checkout_without_a_git_identity_commits_as_the_author(
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     upstream_pr(demo_project, "2", upstream_checkout)
     assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == f"Lightning patch set <{PROJECT_EMAIL}>"
+
+
+@pytest.mark.parametrize("operation", ["am", "rebase"])
+def test_a_paused_operation_in_the_checkout_is_left_alone(
+    demo_project: Path, upstream_checkout: Path, tmp_path: Path, operation: str
+):
+    onto = upstream_checkout
+    readme = onto / "README.md"
+    if operation == "am":
+        bad = write(
+            tmp_path / "bad.patch", git(onto, "format-patch", "-1", "--stdout", "HEAD").replace("\n+", "\n+x", 1)
+        )
+        subprocess.run(["git", "-C", str(onto), "am", str(bad)], capture_output=True)
+    else:
+        git(onto, "checkout", "-q", "-b", "userwork")
+        readme.write_text("user commit\n")
+        git(onto, "commit", "-qam", "user commit 1")
+        env = {**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i 1s/^pick/edit/"}
+        subprocess.run(["git", "-C", str(onto), "rebase", "-i", "HEAD~1"], env=env, capture_output=True, check=True)
+    head = git(onto, "rev-parse", "HEAD")
+    with pytest.raises(PatchsetError, match="is in the middle of a rebase"):
+        upstream_pr(demo_project, "2", onto)
+    assert git(onto, "rev-parse", "HEAD") == head
+    marker = "rebase-apply" if operation == "am" else "rebase-merge"
+    assert (onto / ".git" / marker).is_dir()  # the user's session is still there to continue
+
+
+def test_a_branch_checked_out_in_another_worktree_is_not_recreated(demo_project: Path, upstream_checkout: Path):
+    branch = upstream_pr(demo_project, "2", upstream_checkout)
+    git(upstream_checkout, "checkout", "-q", "main")
+    other = upstream_checkout.with_name("other-worktree")
+    git(upstream_checkout, "worktree", "add", "-q", str(other), branch)
+    with pytest.raises(PatchsetError, match=f"{branch} is checked out in the worktree {other}"):
+        upstream_pr(demo_project, "2", upstream_checkout, force=True)
+
+
+def test_a_linked_worktree_is_cleaned_up_after_a_conflict(demo_project: Path, upstream_checkout: Path):
+    init = upstream_checkout / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text("# upstream rewrote this file\n")
+    git(upstream_checkout, "commit", "-qam", "upstream rewrote it")
+    linked = upstream_checkout.with_name("linked")
+    git(upstream_checkout, "worktree", "add", "-q", "--detach", str(linked), "main")
+    with pytest.raises(PatchsetError, match="does not apply"):
+        upstream_pr(demo_project, "2", linked, base="main")
+    assert git(linked, "status", "--porcelain") == ""
+    assert not Path(git(linked, "rev-parse", "--git-path", "rebase-apply")).exists()

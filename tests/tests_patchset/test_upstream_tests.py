@@ -108,6 +108,7 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
 def test_the_page_records_every_upstream_bound_patch_as_it_is_now():
     """CI cannot reach upstream: it checks that the recorded runs are of the patches as committed, with 0 failures
     caused by them."""
+    assert (REPO / PAGE).is_file(), f"{PAGE} is missing: run `python -m patchset upstream-tests` for each patch"
     recorded = recorded_blobs(REPO)
     page = (REPO / PAGE).read_text(encoding="utf-8")
     for patch in read_series(REPO):
@@ -119,3 +120,25 @@ def test_the_page_records_every_upstream_bound_patch_as_it_is_now():
         )
         section = page.split(f"<!-- upstream-tests: {patch.name} -->", 1)[1].split("<!-- /upstream-tests -->", 1)[0]
         assert "| failures caused by the patch | **0** |" in section, patch.name
+
+
+def test_node_ids_keep_classes_and_a_crash_is_a_failure(tmp_path: Path):
+    from patchset.upstream_tests import run_selection
+
+    write(
+        tmp_path / "tests/pkg/test_x.py",
+        "import os\n\nimport pytest\n\n\nclass TestOuter:\n    def test_same(self):\n        pass\n\n"
+        "    class TestInner:\n        def test_same(self):\n            assert False\n\n\n"
+        "class TestOther:\n    @pytest.mark.parametrize('n', [1, 2])\n    def test_same(self, n):\n        pass\n\n\n"
+        "@pytest.mark.standalone\ndef test_crash():\n    os._exit(3)\n",
+    )
+    write(tmp_path / "tests/conftest.py", TINY_CONFTEST)
+    results = run_selection(Path(sys.executable), tmp_path, ["tests/pkg"], tmp_path / "report.xml")
+    assert {nodeid: o.outcome for nodeid, o in results.items()} == {
+        "tests/pkg/test_x.py::TestOuter::test_same": "passed",
+        "tests/pkg/test_x.py::TestOuter::TestInner::test_same": "failed",
+        "tests/pkg/test_x.py::TestOther::test_same[1]": "passed",
+        "tests/pkg/test_x.py::TestOther::test_same[2]": "passed",
+        "tests/pkg/test_x.py::test_crash": "failed",
+    }
+    assert results["tests/pkg/test_x.py::test_crash"].reason == "crashed: pytest exited with 3 and no report"

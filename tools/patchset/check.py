@@ -70,42 +70,53 @@ def check(project: Path) -> list[Finding]:
 
 
 def check_upstream(project: Path, checkout: Path, base: str | None = None) -> list[Finding]:
-    """Apply every upstream-bound patch, whole, in series order, to ``base`` of an upstream git checkout.
+    """Apply every upstream-bound patch, whole, to ``base`` of an upstream git checkout, as ``upstream-pr`` would.
 
-    Works on a scratch index, so the checkout's branch, index and files are untouched. ``base`` defaults to the
-    upstream default branch. A patch must apply without fuzz (offsets are fine: upstream moved on) and its new files
-    must not exist there yet.
+    Each patch is applied on a scratch index of its own, at ``base`` (default: upstream's default branch) with the
+    patches it ``Depends-On`` applied first, so the checkout's branch, index and files are untouched. A patch must
+    apply without fuzz (offsets are fine: upstream moved on) and its new files must not exist there yet.
     """
-    from patchset.upstream_pr import default_branch
+    from patchset.upstream_pr import default_branch, find_patch
 
     if not (checkout / ".git").exists():
         raise PatchsetError(f"{checkout}: not a git checkout of upstream Lightning")
     base = base or default_branch(checkout)
-    commit = out(checkout, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}")
+    proc = git(checkout, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}", check=False)
+    if proc.returncode != 0:
+        raise PatchsetError(f"{checkout}: no branch or commit {base!r}")
+    commit = proc.stdout.decode().strip()
     files = overlay_files(project)
     findings = []
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        git(checkout, "read-tree", commit, env=env)
-        for patch in read_series(project):
-            if not patch.upstreamable:
-                continue
-            proc = git(checkout, "apply", "--cached", "-v", str(patch.path), check=False, env=env)
-            text = proc.stderr.decode(errors="replace")
-            if proc.returncode != 0:
-                errors = [line for line in text.splitlines() if line.startswith("error:")]
-                reason = next((e for e in errors if "while searching" not in e), "git gave no reason")
-                findings.append(Finding(patch.name, False, f"{patch.name} does not apply to {base}: {reason}"))
-                continue
-            exists = [
-                rel
-                for rel in files
-                if patch.owns(rel) and git(checkout, "cat-file", "-e", f"{commit}:{rel}", check=False).returncode == 0
-            ]
-            offsets = len(re.findall(r"\(offset -?\d+ lines?\)", text))
-            if exists:
-                findings.append(Finding(patch.name, False, f"{patch.name}: its new file {exists[0]} exists in {base}"))
-            else:
-                how = f"with {offsets} hunks at an offset" if offsets else "exactly"
-                findings.append(Finding(patch.name, True, f"{patch.name} applies to {base} ({commit[:10]}) {how}"))
+    for patch in read_series(project):
+        if not patch.upstreamable:
+            continue
+        chain = [patch]
+        while chain[0].field("Depends-On") and len(chain) < 20:
+            chain.insert(0, find_patch(project, chain[0].field("Depends-On")))
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            git(checkout, "read-tree", commit, env=env)
+            for needed in chain:
+                proc = git(checkout, "apply", "--cached", "-v", str(needed.path), check=False, env=env)
+                if proc.returncode != 0:
+                    break
+        text = proc.stderr.decode(errors="replace")
+        on = base + "".join(f" + {p.name[:4]}" for p in chain[:-1])
+        if proc.returncode != 0:
+            errors = [line for line in text.splitlines() if line.startswith("error:")]
+            reason = next((e for e in errors if "while searching" not in e), "git gave no reason")
+            failed = "" if needed is patch else f" (its dependency {needed.name} fails)"
+            findings.append(Finding(patch.name, False, f"{patch.name} does not apply to {on}{failed}: {reason}"))
+            continue
+        exists = [
+            rel
+            for rel in files
+            if patch.owns(rel) and git(checkout, "cat-file", "-e", f"{commit}:{rel}", check=False).returncode == 0
+        ]
+        offsets = len(re.findall(r"\(offset -?\d+ lines?\)", text))
+        if exists:
+            findings.append(Finding(patch.name, False, f"{patch.name}: its new file {exists[0]} exists in {base}"))
+        else:
+            how = f"with {offsets} hunks at an offset" if offsets else "exactly"
+            findings.append(Finding(patch.name, True, f"{patch.name} applies to {on} ({commit[:10]}) {how}"))
     return findings

@@ -86,6 +86,7 @@ def _upstream_tests(args: argparse.Namespace) -> int:
         python=args.python,
         select=args.select,
         base_runs=args.base_runs,
+        author=args.author,
     )
     print(record.summary())
     return 0 if not record.caused else 1
@@ -184,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
         default="all",
         help="on the base, rerun the whole selection (default) or only what failed on the branch",
     )
+    cmd.add_argument("--author", help="as upstream-pr --author")
     cmd.set_defaults(run=_upstream_tests)
 
     cmd = sub.add_parser("rebase", help="replay the series onto a new upstream release in .work/tree")

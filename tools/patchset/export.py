@@ -9,9 +9,9 @@ import tempfile
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git, out
+from patchset.gitops import git, in_progress, out
 from patchset.materialize import BASE_TAG, WORKSPACE, make_workspace
-from patchset.sections import join_patch, read_note, split_patch
+from patchset.sections import NOTES_REF, join_patch, read_note, shipped_files, split_patch
 from patchset.series import SERIES_FILE
 
 _FORMAT_ARGS = (
@@ -28,14 +28,6 @@ _FORMAT_ARGS = (
     "--always",  # a patch whose every section is upstream-only is an empty commit in the workspace
 )
 SERIES = SERIES_FILE.name
-# git states in which HEAD is not the workspace's real series
-_IN_PROGRESS = {
-    "rebase-merge": "a rebase",
-    "rebase-apply": "a rebase or `git am`",
-    "CHERRY_PICK_HEAD": "a cherry-pick",
-    "MERGE_HEAD": "a merge",
-    "REVERT_HEAD": "a revert",
-}
 
 
 def format_commit(repo: Path, commit: str) -> bytes:
@@ -47,7 +39,16 @@ def format_commit(repo: Path, commit: str) -> bytes:
     head, sep, body = text.partition(b"\n\n")
     head = b"\n".join(line for line in head.split(b"\n") if not line.startswith(b"Date: "))
     message, sections = split_patch(head + sep + body)
-    return join_patch(message, sections + read_note(repo, commit))
+    extra = read_note(repo, commit)
+    paths = [s.path for s in sections + extra]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        subject = out(repo, "log", "-1", "--format=%s", commit)
+        raise PatchsetError(
+            f"{subject!r} holds two upstream-only sections for {', '.join(twice)} (two patches squashed?): combine"
+            " them on the PR branch (upstream-pr, edit, git commit --amend) and bring them back with import-pr"
+        )
+    return join_patch(message, sections + extra)
 
 
 def patch_name(position: int, subject: str) -> str:
@@ -76,11 +77,6 @@ def _series_text(header_from: bytes | None, names: list[str]) -> bytes:
             break
         header.append(line)
     return ("\n".join([*header, *names]) + "\n").encode("utf-8")
-
-
-def in_progress(workspace: Path) -> str | None:
-    """The git operation under way in ``workspace`` (a paused rebase, say), if any."""
-    return next((what for marker, what in _IN_PROGRESS.items() if (workspace / ".git" / marker).exists()), None)
 
 
 def planned_export(project: Path, workspace: Path) -> dict[str, bytes]:
@@ -152,6 +148,27 @@ def diff_text(old: dict[str, bytes], new: dict[str, bytes]) -> str:
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
 
+def _lost_sections(before: dict[str, bytes], after: dict[str, bytes], shipped: frozenset[str]) -> list[str]:
+    """Upstream-only sections (files not in ``shipped``) that a patch, matched by subject, had and would lose."""
+
+    def by_subject(files: dict[str, bytes]) -> dict[bytes, set[str]]:
+        found = {}
+        for name, data in files.items():
+            if name != SERIES:
+                head, sections = split_patch(data)
+                subject = next((line for line in head.split(b"\n") if line.startswith(b"Subject:")), b"")
+                found[subject] = {s.path for s in sections if s.path not in shipped}
+        return found
+
+    old, new = by_subject(before), by_subject(after)
+    lost = []
+    for subject, paths in old.items():
+        if subject in new and paths - new[subject]:
+            what = subject.decode(errors="replace").removeprefix("Subject: [PATCH] ")
+            lost.append(f"{what}: {', '.join(sorted(paths - new[subject]))}")
+    return lost
+
+
 def export(project: Path, check: bool = False, force: bool = False) -> list[str]:
     """Write the workspace's commits back as patches (with ``check``, only report). Returns the changed names.
 
@@ -179,6 +196,13 @@ def export(project: Path, check: bool = False, force: bool = False) -> list[str]
         raise PatchsetError(
             f"patches/ changed since {WORKSPACE} was materialized ({', '.join(_changed(snapshot, current))}): run"
             " `materialize` to pick the changes up, or `export --force` to overwrite them with the workspace"
+        )
+    lost = _lost_sections(snapshot, planned, shipped_files(workspace, BASE_TAG))
+    if lost and not force:
+        raise PatchsetError(
+            f"exporting would drop upstream-only sections ({'; '.join(lost)}): a commit was recreated without its"
+            f" note (cherry-pick, reset?); copy it back with `git notes --ref={NOTES_REF} copy <old> <new>` in"
+            f" {WORKSPACE}, or `export --force` to drop them"
         )
     changed = _changed(current, planned)
     patches_dir = project / "patches"

@@ -88,3 +88,25 @@ def am(
     if proc.returncode != 0 and b"Patch is empty" in proc.stdout + proc.stderr:
         proc = git(repo, "am", "--allow-empty", check=False, isolated=isolated, env=env)
     return proc
+
+
+# git states in which HEAD is not what it seems: someone's operation is paused there
+_IN_PROGRESS = {
+    "rebase-merge": "a rebase",
+    "rebase-apply": "a rebase or `git am`",
+    "CHERRY_PICK_HEAD": "a cherry-pick",
+    "MERGE_HEAD": "a merge",
+    "REVERT_HEAD": "a revert",
+    "BISECT_LOG": "a bisect",
+}
+
+
+def git_path(repo: Path, name: str, isolated: bool = True) -> Path:
+    """Where ``name`` lives in the repository's git dir (linked worktrees have their own)."""
+    path = Path(out(repo, "rev-parse", "--git-path", name, isolated=isolated))
+    return path if path.is_absolute() else repo / path
+
+
+def in_progress(repo: Path, isolated: bool = True) -> str | None:
+    """The git operation paused in ``repo`` (a rebase, say), if any."""
+    return next((what for name, what in _IN_PROGRESS.items() if git_path(repo, name, isolated).exists()), None)

@@ -20,7 +20,7 @@ from patchset.gitops import git
 from patchset.materialize import OVERLAY_ROOTS, WORKSPACE, materialize_workspace
 from patchset.pin import fetch_sdist, read_pin
 from patchset.sections import join_patch, split_patch
-from patchset.upstream_pr import CHANGELOG_PATHS, branch_name, default_branch, find_patch
+from patchset.upstream_pr import CHANGELOG_PATHS, START_REFS, branch_name, default_branch, find_patch
 
 
 @dataclass
@@ -37,6 +37,20 @@ def sdist_paths(project: Path) -> frozenset[str]:
     """The files the pinned sdist ships, relative to its top folder."""
     with tarfile.open(fetch_sdist(read_pin(project))) as tar:
         return frozenset(m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile() and "/" in m.name)
+
+
+def _start(onto: Path, branch: str, base: str) -> str:
+    """The commit the PR branch started from: as upstream-pr recorded it, else where it forks from ``base``."""
+    recorded = git(onto, "rev-parse", "--verify", "--quiet", f"{START_REFS}{branch}", check=False)
+    if recorded.returncode == 0:
+        start = recorded.stdout.decode().strip()
+        if git(onto, "merge-base", "--is-ancestor", start, branch, check=False).returncode != 0:
+            raise PatchsetError(
+                f"{branch} no longer contains the commit it started from ({start[:10]}): it was rebased; make it"
+                " again with upstream-pr --force and redo the edit there"
+            )
+        return start
+    return git(onto, "merge-base", base, branch).stdout.decode().strip()
 
 
 def import_pr(project: Path, ref: str, onto: Path, branch: str | None = None, base: str | None = None) -> ImportResult:
@@ -56,10 +70,9 @@ def import_pr(project: Path, ref: str, onto: Path, branch: str | None = None, ba
         pending = unexported_work(project, workspace)
         if pending:
             raise PatchsetError(f"{workspace} has work not exported ({', '.join(pending)}): export it first")
-    fork = git(onto, "merge-base", base, branch).stdout.decode().strip()
-    diff = git(
-        onto, "diff", "--full-index", "--no-renames", "--no-color", "--src-prefix=a/", "--dst-prefix=b/", fork, branch
-    ).stdout
+    fork = _start(onto, branch, base)
+    diff_args = ("--full-index", "--binary", "--no-renames", "--no-color", "--src-prefix=a/", "--dst-prefix=b/")
+    diff = git(onto, "diff", *diff_args, fork, branch).stdout
     head, old_sections = split_patch(patch.path.read_bytes())
     shipped = sdist_paths(project)
     old_by_path = {s.path: s for s in old_sections}

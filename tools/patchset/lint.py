@@ -9,7 +9,7 @@ from pathlib import Path
 from patchset import PatchsetError
 from patchset.pin import PIN_FILE
 from patchset.sections import split_patch
-from patchset.series import SERIES_FILE, Patch, read_series
+from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, read_series
 
 # DEP-3: `Forwarded` is `no`, `not-needed` or where the patch was sent; `Applied-Upstream` appears only once the patch
 # is applied upstream, and names the version, the URL or the commit that has it.
@@ -17,6 +17,20 @@ _URL = re.compile(r"https?://\S+")
 _APPLIED = re.compile(r"(\d+(\.\d+)+\S*|https?://\S+|(commit:)?[0-9a-f]{7,40})")
 # Addresses that reach nobody: a placeholder author on an upstream pull request.
 _PLACEHOLDER_HOST = re.compile(r"(^|\.)(localhost|localdomain|invalid|local|test|example\.(com|org|net))$")
+# Fields a patch may carry: the fork's DEP-3 style ones, and git's usual trailers.
+KNOWN_FIELDS = (
+    *FORK_TRAILERS,
+    "Signed-off-by",
+    "Co-authored-by",
+    "Reviewed-by",
+    "Acked-by",
+    "Tested-by",
+    "Reported-by",
+    "Suggested-by",
+    "Helped-by",
+)
+_KNOWN_LOWER = {key.lower() for key in FORK_TRAILERS}
+_FIELD_LIKE = re.compile(r"^\s*([A-Za-z][A-Za-z -]*?)\s*:")
 _AUTHOR = re.compile(r"^(?P<name>[^<>]*\S)\s*<(?P<email>[^<>@\s]+@(?P<host>[^<>@\s]+\.[^<>@\s]+))>$")
 
 
@@ -41,8 +55,14 @@ def lint(project: Path, new_files: list[str]) -> list[str]:
     except PatchsetError as err:
         return [*problems, str(err)]
     owners: dict[str, list[str]] = {rel: [] for rel in new_files}
-    for patch in patches:
+    for i, patch in enumerate(patches):
         problems += [f"{patch.name}: {p}" for p in _patch(patch)]
+        depends = patch.field("Depends-On")
+        earlier = {p.name: p for p in patches[:i]}
+        if depends and (depends not in earlier or not earlier[depends].upstreamable):
+            problems.append(
+                f"{patch.name}: Depends-On: {depends} is not an earlier, upstream-bound patch of the series"
+            )
         for glob in patch.new_files:
             matched = [rel for rel in new_files if fnmatch.fnmatchcase(rel, glob)]
             if not matched:
@@ -76,8 +96,35 @@ def _series_file(project: Path) -> list[str]:
     return problems
 
 
-def _patch(patch: Patch) -> list[str]:
+def _fields(patch: Patch) -> list[str]:
+    """Field lines are exactly `Key: value` with a known key, in the last paragraph.
+
+    A typo must not change what happens to the patch: a misspelt `Forwarded:` would send a fork-only patch upstream.
+    """
     problems = []
+    paragraphs = patch.message.split("\n\n")
+    for line in "\n".join(paragraphs[:-1] if len(paragraphs) > 1 else []).splitlines():
+        key = _FIELD_LIKE.match(line)
+        if key and key.group(1).strip().lower() in _KNOWN_LOWER:
+            problems.append(f"the field line {line.strip()!r} is not in the last paragraph, where fields go")
+    fields = paragraphs[-1].splitlines()
+    for line in fields if any(_FIELD_LIKE.match(line) for line in fields) else []:
+        if line[:1] in (" ", "\t"):
+            continue  # a folded field continues
+        match = re.match(r"([A-Za-z][A-Za-z-]*): \S", line)
+        if not match or match.group(1) not in KNOWN_FIELDS:
+            problems.append(
+                f"{line.strip()!r} is not a `Key: value` field with a known key ({', '.join(KNOWN_FIELDS)})"
+            )
+    if len(patch.trailers.get("Forwarded", [])) != 1:
+        problems.append("needs exactly one `Forwarded:` field (`no`, `not-needed` or the PR's URL)")
+    if len(patch.trailers.get("Applied-Upstream", [])) > 1:
+        problems.append("has more than one `Applied-Upstream:` field")
+    return problems
+
+
+def _patch(patch: Patch) -> list[str]:
+    problems = _fields(patch)
     if not patch.description:
         problems.append("no description: say why the patch exists, above its fields")
     forwarded = patch.forwarded

@@ -202,7 +202,8 @@ def materialize_workspace(project: Path, force: bool = False) -> Path:
     Refuses to replace a workspace holding work not exported yet, unless ``force``; the replaced workspace is kept
     as ``.work/previous-tree`` either way.
     """
-    from patchset.export import in_progress, record_snapshot, unexported_work
+    from patchset.export import record_snapshot, unexported_work
+    from patchset.gitops import in_progress
 
     workspace = project / WORKSPACE
     previous = workspace.with_name("previous-tree")

@@ -13,13 +13,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchset import PatchsetError
 from patchset.gitops import git
 
 # Where the workspace keeps a commit's upstream-only sections. Notes under this ref follow amend and rebase because
 # the workspace sets ``notes.rewriteRef`` to it.
 NOTES_REF = "refs/notes/patchset-upstream-only"
 _SECTION = re.compile(rb"(?m)^diff --git ")
-_PATH = re.compile(rb"^diff --git a/(.+?) b/(.+?)\n")
+_QUOTED = re.compile(rb'^diff --git "a/((?:[^"\\]|\\.)*)" "b/((?:[^"\\]|\\.)*)"\n')
 _GLOB_SPECIAL = re.compile(r"[*?\[\\]")
 
 
@@ -47,11 +48,52 @@ def split_patch(data: bytes) -> tuple[bytes, list[Section]]:
     sections = []
     for begin, end in itertools.pairwise(starts):
         text = body[begin:end]
-        path = _PATH.match(text)
-        if path is None:
-            raise ValueError(f"unreadable diff header: {text.splitlines()[0]!r}")
-        sections.append(Section(path.group(2).decode("utf-8", errors="surrogateescape"), text))
+        sections.append(Section(_header_path(text.split(b"\n", 1)[0] + b"\n"), text))
     return head, sections
+
+
+def _header_path(header: bytes) -> str:
+    """The file a ``diff --git a/P b/P`` header names (no renames: both sides are the same path).
+
+    Git quotes a path with unusual bytes C-style (with octal escapes); a plain one may contain `` b/`` itself,
+    so it is taken as the first half of what follows ``a/``.
+    """
+    quoted = _QUOTED.match(header)
+    if quoted:
+        return _unquote(quoted.group(2)).decode("utf-8", errors="surrogateescape")
+    rest = header.removeprefix(b"diff --git a/").rstrip(b"\n")
+    size = (len(rest) - len(b" b/")) // 2
+    if not header.startswith(b"diff --git a/") or rest[size : size + 3] != b" b/" or rest[:size] != rest[size + 3 :]:
+        raise PatchsetError(f"unreadable diff header (renames are not supported): {header!r}")
+    return rest[:size].decode("utf-8", errors="surrogateescape")
+
+
+def _unquote(text: bytes) -> bytes:
+    """Undo git's C-style quoting of a path."""
+    escapes = {
+        b"n": b"\n",
+        b"t": b"\t",
+        b'"': b'"',
+        b"\\": b"\\",
+        b"a": b"\a",
+        b"b": b"\b",
+        b"f": b"\f",
+        b"v": b"\v",
+        b"r": b"\r",
+    }
+    out, i = bytearray(), 0
+    while i < len(text):
+        if text[i : i + 1] == b"\\":
+            if text[i + 1 : i + 2].isdigit():
+                out.append(int(text[i + 1 : i + 4], 8))
+                i += 4
+                continue
+            out += escapes.get(text[i + 1 : i + 2], text[i + 1 : i + 2])
+            i += 2
+            continue
+        out += text[i : i + 1]
+        i += 1
+    return bytes(out)
 
 
 def join_patch(head: bytes, sections: list[Section]) -> bytes:
@@ -88,7 +130,9 @@ def read_note(repo: Path, commit: str) -> list[Section]:
     if listed.returncode != 0:
         return []
     blob = listed.stdout.decode().strip()
-    return split_patch(git(repo, "cat-file", "blob", blob).stdout)[1]
+    sections = split_patch(git(repo, "cat-file", "blob", blob).stdout)[1]
+    # squashing two commits joins their notes with a blank line, which no diff line can be: drop it
+    return [Section(s.path, s.text.rstrip(b"\n") + b"\n") for s in sections]
 
 
 def write_note(repo: Path, commit: str, sections: list[Section]) -> None:

@@ -35,6 +35,7 @@ class Patch:
     trailers: dict[str, list[str]] = field(default_factory=dict)
     author: str = ""
     description: str = ""
+    message: str = ""
 
     @property
     def name(self) -> str:
@@ -113,7 +114,7 @@ def parse_patch(path: Path) -> Patch:
             trailers[last_key][-1] += " " + line.strip()
     description = "\n\n".join(paragraphs[:-1] if trailers else paragraphs).strip()
     author = _decode_header(headers.get("From", ""))
-    return Patch(path, _decode_subject(headers["Subject"]), trailers, author, description)
+    return Patch(path, _decode_subject(headers["Subject"]), trailers, author, description, message.strip())
 
 
 def _mail_headers(head: str) -> dict[str, str]:

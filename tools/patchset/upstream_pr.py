@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import am, git, is_clean, out
+from patchset.gitops import am, git, git_path, in_progress, is_clean, out
 from patchset.materialize import overlay_files
 from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, read_series
 
+# where upstream-pr records the commit each PR branch started from
+START_REFS = "refs/patchset-start/"
 CHANGELOG_PATHS = {"fabric": "src/lightning/fabric/CHANGELOG.md", "pytorch": "src/lightning/pytorch/CHANGELOG.md"}
 
 
@@ -30,8 +32,8 @@ def insert_changelog(text: str, entry: ChangelogEntry) -> str:
     """Add ``entry`` under the first (unreleased) release's ``### <section>``, creating the section if needed."""
     lines = text.splitlines()
     release = next((i for i, line in enumerate(lines) if line.startswith("## ")), None)
-    if release is None:
-        raise PatchsetError("the CHANGELOG has no `## ` release heading to add the entry under")
+    if release is None or not lines[release].lower().startswith("## [unreleased]"):
+        raise PatchsetError("the CHANGELOG's first `## ` heading is not `## [unreleased]`, where the entry goes")
     end = next((i for i in range(release + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     item = f"- {entry.text}"
     section = next((i for i in range(release + 1, end) if lines[i].strip() == f"### {entry.section}"), None)
@@ -72,6 +74,29 @@ def _clean_message(message: str) -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
+def check_checkout(onto: Path) -> None:
+    """Refuse a checkout that is not a git checkout, has uncommitted changes, or has someone's operation paused."""
+    if not (onto / ".git").exists():
+        raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
+    operation = in_progress(onto, isolated=False)
+    if operation:
+        raise PatchsetError(f"{onto} is in the middle of {operation}: finish or abort it first")
+    if not is_clean(onto, isolated=False):
+        raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+
+
+def _checked_out_elsewhere(onto: Path, branch: str) -> str | None:
+    """The other worktree that has ``branch`` checked out, if any."""
+    here = Path(out(onto, "rev-parse", "--show-toplevel", isolated=False)).resolve()
+    worktree = None
+    for line in out(onto, "worktree", "list", "--porcelain", isolated=False).splitlines():
+        if line.startswith("worktree "):
+            worktree = Path(line.removeprefix("worktree ")).resolve()
+        elif line == f"branch refs/heads/{branch}" and worktree != here:
+            return str(worktree)
+    return None
+
+
 def default_branch(checkout: Path) -> str:
     """Upstream's default branch in ``checkout``: what ``origin/HEAD`` names, else a local ``master`` or ``main``."""
     proc = git(checkout, "symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD", check=False, isolated=False)
@@ -99,18 +124,17 @@ def _restore(onto: Path, original: str, branch: str, previous: str | None) -> st
 
     Returns what could not be undone, or ``None`` once the checkout is verified clean.
     """
-    if (onto / ".git" / "rebase-apply").exists():
+    if git_path(onto, "rebase-apply", isolated=False).exists():
         git(onto, "am", "--abort", check=False, isolated=False)
     git(onto, "reset", "-q", "--hard", check=False, isolated=False)
     git(onto, "clean", "-q", "-fd", check=False, isolated=False)
     git(onto, "checkout", "-q", "--detach", check=False, isolated=False)
-    if previous:
-        git(onto, "branch", "-q", "-f", branch, previous, check=False, isolated=False)
-    else:
-        git(onto, "branch", "-q", "-D", branch, check=False, isolated=False)
-    git(onto, "checkout", "-q", original, check=False, isolated=False)
+    args = ("-f", branch, previous) if previous else ("-D", branch)
     left = []
-    if (onto / ".git" / "rebase-apply").exists():
+    if git(onto, "branch", "-q", *args, check=False, isolated=False).returncode:
+        left.append(f"branch {branch} could not be {'reset to ' + previous if previous else 'deleted'}")
+    git(onto, "checkout", "-q", original, check=False, isolated=False)
+    if git_path(onto, "rebase-apply", isolated=False).exists():
         left.append("a `git am` session is still open")
     if _head(onto) != original:
         left.append(f"HEAD is {_head(onto)}, not {original}")
@@ -141,10 +165,7 @@ def upstream_pr(
     patch = find_patch(project, ref)
     if not patch.upstreamable:
         raise PatchsetError(f"{patch.name} is fork packaging (Forwarded: not-needed); it has no upstream PR")
-    if not (onto / ".git").exists():
-        raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
-    if not is_clean(onto, isolated=False):
-        raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+    check_checkout(onto)
     who = author or patch.author
     why = placeholder_author(who)
     if why:
@@ -163,9 +184,15 @@ def upstream_pr(
     exists = git(onto, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False).returncode == 0
     if exists and not force:
         raise PatchsetError(f"{onto}: branch {branch} exists; pass --force to recreate it from {base}")
+    elsewhere = _checked_out_elsewhere(onto, branch)
+    if elsewhere:
+        raise PatchsetError(f"{branch} is checked out in the worktree {elsewhere}; switch it to another branch first")
     original = _head(onto)
     previous = out(onto, "rev-parse", branch, isolated=False) if exists else None
-    git(onto, "checkout", "-q", "-B" if force else "-b", branch, base, isolated=False)
+    start = out(onto, "rev-parse", f"{base}^{{commit}}", isolated=False)
+    git(onto, "checkout", "-q", "-B" if force else "-b", branch, start, isolated=False)
+    # import-pr diffs the branch against where it started, even after the base branch moves or is recreated
+    git(onto, "update-ref", f"{START_REFS}{branch}", start, isolated=False)
     try:
         _commit(project, patch, onto, new_files, who)
     except PatchsetError as err:

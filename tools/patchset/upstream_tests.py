@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git, is_clean, out
+from patchset.gitops import git, out
 from patchset.pin import cache_dir
-from patchset.series import Patch
-from patchset.upstream_pr import _head, find_patch, upstream_pr
+from patchset.series import Patch, read_series
+from patchset.upstream_pr import _head, check_checkout, find_patch, upstream_pr
 
 PAGE = Path("docs") / "upstream-tests.md"
 # What each kind of patch runs: the whole CPU suite of fabric; the parts of pytorch that checkpointing touches.
@@ -152,8 +152,7 @@ def parse_junit(path: Path) -> dict[str, Outcome]:
     if not path.is_file():
         return results
     for case in ET.parse(path).iter("testcase"):
-        file = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
-        nodeid = f"{file}::{case.get('name')}"
+        nodeid = _nodeid(case)
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
@@ -164,6 +163,18 @@ def parse_junit(path: Path) -> dict[str, Outcome]:
         if results.get(nodeid, Outcome(nodeid, "passed")).outcome != "failed":  # an error in teardown stays
             results[nodeid] = Outcome(nodeid, outcome, reason)
     return results
+
+
+def _nodeid(case: ET.Element) -> str:
+    """Pytest's node id from a junit test case.
+
+    The file, the (nested) classes that ``classname`` adds to the module's dotted path, and the name.
+    """
+    classname = case.get("classname", "")
+    file = case.get("file") or classname.replace(".", "/") + ".py"
+    module = file.removesuffix(".py").replace("/", ".")
+    classes = classname[len(module) + 1 :].split(".") if classname.startswith(module + ".") else []
+    return "::".join([file, *classes, case.get("name", "")])
 
 
 def _reason(element: ET.Element) -> str:
@@ -199,10 +210,15 @@ def run_selection(python: Path, onto: Path, selection: list[str], report: Path) 
     env.update({"PL_RUN_CUDA_TESTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"})
     common = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--timeout={_TIMEOUT}"]
     common += ["-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
-    proc = subprocess.run([str(python), *common, f"--junitxml={report}", *selection], cwd=onto, env=env)
+    proc = subprocess.run(
+        [str(python), *common, f"--junitxml={report}", *selection], cwd=onto, env=env, stderr=subprocess.PIPE, text=True
+    )
     results = parse_junit(report)
     if proc.returncode not in (0, 1) or not results:
-        raise PatchsetError(f"pytest could not run {' '.join(selection)} in {onto} (exit code {proc.returncode})")
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise PatchsetError(
+            f"pytest could not run {' '.join(selection)} in {onto} (exit code {proc.returncode}); it said:\n{tail}"
+        )
     standalone = {**env, "PL_RUN_STANDALONE_TESTS": "1"}
     listed = subprocess.run(
         [str(python), "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *selection],
@@ -211,10 +227,15 @@ def run_selection(python: Path, onto: Path, selection: list[str], report: Path) 
         capture_output=True,
         text=True,
     ).stdout
-    for i, nodeid in enumerate(line for line in listed.splitlines() if "::" in line and " " not in line):
+    for i, nodeid in enumerate(line.strip() for line in listed.splitlines() if "::" in line):
         single = report.with_name(f"{report.stem}-standalone-{i}.xml")
-        subprocess.run([str(python), *common, f"--junitxml={single}", nodeid], cwd=onto, env=standalone)
-        results.update(parse_junit(single))
+        code = subprocess.run(
+            [str(python), *common, f"--junitxml={single}", nodeid], cwd=onto, env=standalone
+        ).returncode
+        found = parse_junit(single)
+        if nodeid not in found and code != 0:  # it died before pytest could report it
+            found[nodeid] = Outcome(nodeid, "failed", f"crashed: pytest exited with {code} and no report")
+        results.update(found)
     return results
 
 
@@ -227,15 +248,15 @@ def run_upstream_tests(
     python: str | None = None,
     select: list[str] | None = None,
     base_runs: str = "all",
+    author: str | None = None,
 ) -> Record:
     """Make the PR branch, test it and its base, record the result in :data:`PAGE` and return it."""
     patch = find_patch(project, ref)
     package = package_of(patch)
     selection = select or SELECTIONS[package]
-    if not is_clean(onto, isolated=False):
-        raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+    check_checkout(onto)
     original = _head(onto)
-    branch = upstream_pr(project, ref, onto, base=base, force=True)
+    branch = upstream_pr(project, ref, onto, base=base, force=True, author=author)
     start_commit = out(onto, "rev-parse", f"{branch}~1", isolated=False)
     record = Record(
         patch=patch.name,
@@ -249,8 +270,8 @@ def run_upstream_tests(
         upstream_subject=out(onto, "log", "-1", "--format=%s", start_commit, isolated=False),
     )
     started = time.monotonic()
-    interpreter = Path(python) if python else environment(onto, package, torch)
     try:
+        interpreter = Path(python) if python else environment(onto, package, torch)
         with tempfile.TemporaryDirectory() as tmp:
             record.branch = run_selection(interpreter, onto, selection, Path(tmp) / "branch.xml")
             git(onto, "checkout", "-q", "--detach", start_commit, isolated=False)
@@ -270,7 +291,8 @@ def write_record(project: Path, record: Record) -> None:
     """Put the record's section into :data:`PAGE`, replacing the patch's previous one, in series order."""
     page = project / PAGE
     text = page.read_text(encoding="utf-8") if page.is_file() else _HEADER
-    names = re.findall(r"<!-- upstream-tests: (\S+) -->", text)
+    series = {patch.name for patch in read_series(project)}
+    names = [name for name in re.findall(r"<!-- upstream-tests: (\S+) -->", text) if name in series]
     found = {name: m.group(0) for name in names if (m := re.search(_section_pattern(name), text, flags=re.S))}
     found[record.patch] = record.markdown()
     page.parent.mkdir(parents=True, exist_ok=True)
