@@ -174,7 +174,8 @@ _HOLD_AND_REPORT = textwrap.dedent(
 def test_processes_with_private_temp_dirs_and_old_pool_settings_get_distinct_ports(tmp_path):
     """Coordination does not depend on TMPDIR or the user: the kernel's port table is shared by the namespace.
 
-    ``LIGHTNING_PORT_POOL`` (a setting of an earlier version of this patch) must not funnel processes onto one port.
+    ``LIGHTNING_PORT_POOL`` (a setting of an earlier version of this patch) must not funnel processes onto one port,
+    and a directory another user created where an earlier version kept its registry must not matter (root only).
 
     """
     with socket.socket() as probe:
@@ -184,6 +185,9 @@ def test_processes_with_private_temp_dirs_and_old_pool_settings_get_distinct_por
     for i in range(4):
         tmpdir = tmp_path / f"tmp{i}"
         tmpdir.mkdir()
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            (tmpdir / "lightning-ports-0").mkdir()
+            os.chown(tmpdir / "lightning-ports-0", 65534, 65534)
         env = {**os.environ, "TMPDIR": str(tmpdir), "LIGHTNING_PORT_POOL": f"{pool_port}-{pool_port}"}
         env.pop("MASTER_PORT", None)
         procs.append(
@@ -199,7 +203,7 @@ def test_processes_with_private_temp_dirs_and_old_pool_settings_get_distinct_por
     assert all(p.returncode == 0 for p in procs)
     assert len(set(ports)) == 4, ports
     # nothing was written to disk, not even into the temp dirs
-    assert not [path for i in range(4) for path in (tmp_path / f"tmp{i}").iterdir()]
+    assert not [path for path in tmp_path.rglob("*") if path.is_file()]
 
 
 _SURVIVES_TMP_CLEANER = textwrap.dedent(

@@ -13,17 +13,14 @@
 # limitations under the License.
 """A pytest plugin that reruns tests which failed because a network port was taken (``EADDRINUSE``).
 
-Enable it from any ``conftest.py`` with ``port_reruns.register(config)`` in ``pytest_configure(config)``, or with
-``-p lightning.fabric.utilities.testing.port_reruns``. It marks every test without a ``flaky`` marker of its own for
-`pytest-rerunfailures <https://pypi.org/project/pytest-rerunfailures/>`_ (12 or newer; from 16.7 on, a conflict
-anywhere in the exception chain counts, before only the exception the test raised). ``PL_PORT_CONFLICT_RERUNS`` sets
-the number of reruns (default 2, ``0`` turns the plugin off). The suite's own settings are merged, never replaced:
-the larger of ``--reruns`` and this number applies, and ``--only-rerun`` patterns are kept, with port conflicts added.
-
-Before a rerun, the failed attempt's launcher children (processes it started with ``LOCAL_RANK`` set; Linux only) are
-terminated, the default process group is destroyed and ``MASTER_PORT`` is put back as it was before the attempt.
-Each conflict is recorded in the report's ``user_properties`` as ``("port_conflict", nodeid)``, so that it reaches the
-pytest-xdist controller, and listed in a "port conflicts" section of the terminal summary.
+Enable it with ``port_reruns.register(config)`` in ``pytest_configure(config)`` of any ``conftest.py``. Tests without
+a ``flaky`` marker of their own are marked for pytest-rerunfailures (12 or newer; from 16.7 on, a conflict anywhere in
+the exception chain counts), merged with the suite's settings: the larger of ``--reruns`` and
+``PL_PORT_CONFLICT_RERUNS`` (default 2, ``0`` turns it off) applies, and ``--only-rerun`` patterns are kept, with port
+conflicts added. Before a rerun, the failed attempt's launcher children (started during it with ``LOCAL_RANK`` set;
+Linux) are killed, the process group is destroyed and ``MASTER_PORT`` is put back. Conflicts go into the report's
+``user_properties`` as ``("port_conflict", nodeid)``, which reach the pytest-xdist controller, and into a "port
+conflicts" section of the terminal summary.
 
 """
 
@@ -56,11 +53,6 @@ def register(config: pytest.Config) -> None:
         config.pluginmanager.register(_PortConflictReruns(config), _NAME)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Enable the plugin when it is loaded with ``-p`` or ``pytest_plugins``."""
-    register(config)
-
-
 class _PortConflictReruns:
     def __init__(self, config: pytest.Config) -> None:
         value = os.environ.get(_ENV, "2").strip()
@@ -70,14 +62,8 @@ class _PortConflictReruns:
         self.conflicts: list[str] = []
         if self.reruns and not (_RERUNFAILURES_12 and config.pluginmanager.hasplugin("rerunfailures")):
             self.reruns = 0
-            reason = _RERUNFAILURES_12.message if not _RERUNFAILURES_12 else "the plugin is disabled"
-            config.issue_config_time_warning(
-                pytest.PytestConfigWarning(
-                    f"{__name__} cannot rerun tests that hit a port conflict: it needs pytest-rerunfailures>=12"
-                    f" ({reason})."
-                ),
-                stacklevel=2,
-            )
+            message = f"{__name__} cannot rerun tests that hit a port conflict: it needs pytest-rerunfailures>=12."
+            config.issue_config_time_warning(pytest.PytestConfigWarning(message), stacklevel=2)
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         if not self.reruns:
@@ -101,8 +87,7 @@ class _PortConflictReruns:
         if report.failed and call.excinfo is not None and _is_port_conflict(call.excinfo.value):
             report.user_properties.append(("port_conflict", item.nodeid))
             started, master_port = item.stash.get(_attempt_key, (None, None))
-            if started is not None:
-                _terminate(_launcher_children_since(started))
+            _kill_launcher_children_since(started or 0)
             _destroy_dist_connection()
             if master_port is None:
                 os.environ.pop("MASTER_PORT", None)
@@ -137,42 +122,19 @@ def _is_port_conflict(exception: BaseException) -> bool:
 
 
 def _clock() -> float:
-    """Clock ticks since boot, the unit of a process's start time in ``/proc``; 0 where there is no ``/proc``."""
-    try:
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return 0.0
+    """Clock ticks since boot, the unit of a process's start time in ``/proc``; 0 where that is not available."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK") if hasattr(time, "CLOCK_BOOTTIME") else 0
 
 
-def _launcher_children_since(started: float) -> list[int]:
-    """Live children of this process started since ``started`` with ``LOCAL_RANK`` in their environment (Linux)."""
-    pids = []
+def _kill_launcher_children_since(started: float) -> None:
+    """Kill the children of this process started since ``started`` with ``LOCAL_RANK`` in their environment."""
     for entry in os.listdir("/proc") if started else []:
         with contextlib.suppress(OSError, IndexError, ValueError):
             with open(f"/proc/{entry}/stat") as f:
                 # after "pid (comm)": state, ppid, ... and the start time in clock ticks at index 19
                 fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[1]) == os.getpid() and int(fields[19]) >= int(started):
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if b"\0LOCAL_RANK=" in b"\0" + f.read():
-                        pids.append(int(entry))
-    return pids
-
-
-def _terminate(pids: list[int], timeout: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, getattr(signal, "SIGKILL", signal.SIGTERM)):
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + timeout
-        while pids and time.monotonic() < deadline:
-            pids = [pid for pid in pids if _reap(pid)]
-            time.sleep(0.05)
-
-
-def _reap(pid: int) -> bool:
-    """Whether ``pid`` is still running; reaps it if it exited."""
-    with contextlib.suppress(ChildProcessError):
-        return os.waitpid(pid, os.WNOHANG)[0] != pid
-    return False
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = b"\0" + f.read()
+            if int(fields[1]) == os.getpid() and int(fields[19]) >= int(started) and b"\0LOCAL_RANK=" in environ:
+                os.kill(int(entry), signal.SIGKILL)
+                os.waitpid(int(entry), 0)
