@@ -62,7 +62,8 @@ def _run(tmp_path, test_source, *args, env=None, conftest=_CONFTEST):
     (tmp_path / "conflict.py").write_text(_CONFLICT)
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(test_source))
     run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PL_PORT_CONFLICT_RERUNS")}
-    run_env.update(OUT=str(tmp_path), PYTHONPATH=str(tmp_path), **(env or {}))
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    run_env.update(OUT=str(tmp_path), PYTHONPATH=python_path, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, str(tmp_path)],
         cwd=tmp_path,
