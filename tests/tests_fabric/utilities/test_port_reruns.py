@@ -187,7 +187,9 @@ _TOO_OLD = _CONFTEST.replace(
 )
 
 
-@pytest.mark.parametrize(("args", "conftest"), [(["-p", "no:rerunfailures"], _CONFTEST), ([], _TOO_OLD)])
+@pytest.mark.parametrize(
+    ("args", "conftest"), [(["-p", "no:rerunfailures"], _CONFTEST), ([], _TOO_OLD)], ids=["disabled", "too-old"]
+)
 def test_warns_and_marks_nothing_without_a_usable_pytest_rerunfailures(tmp_path, args, conftest):
     """Below 12, the ``flaky`` marker has no ``only_rerun``: marking would rerun every failure."""
     result = _run(tmp_path, _FAIL_ONCE, *args, conftest=conftest)
