@@ -270,6 +270,15 @@ def test_falls_back_to_the_old_behaviour_with_one_warning(monkeypatch, env):
     assert all(_plain_bind_succeeds(port) for port in ports)
 
 
+@linux_only
+def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
+    monkeypatch.setattr(socket, "has_dualstack_ipv6", lambda: False)  # the store binds IPv4 there
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        port = env.main_port
+    assert not _plain_bind_succeeds(port)
+
+
 def test_other_platforms_pick_as_before(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     with warnings.catch_warnings():

@@ -86,14 +86,8 @@ class PortReservation:
 
 
 def _bind_like_tcp_store(port: int) -> None:
-    """Bind and listen on ``port`` as ``TCPStore`` does, then close; raises ``OSError`` where that is impossible."""
-    if socket.has_dualstack_ipv6():
-        family, address = socket.AF_INET6, ("::", port)
-    else:
-        family, address = socket.AF_INET, ("", port)
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(address)
-        sock.listen(1)
+    """Bind and listen on ``port`` as ``TCPStore`` does (``SO_REUSEADDR``, dual-stack or else IPv4), then close."""
+    try:
+        socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True).close()
+    except (OSError, ValueError):  # no IPv6 here (ValueError: no dual-stack sockets)
+        socket.create_server(("", port)).close()
