@@ -55,7 +55,8 @@ class PortReservation:
     """
 
     def __init__(self) -> None:
-        self._socket: Optional[socket.socket] = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket: Optional[socket.socket] = None  # set first: `__del__` runs even if the next line raises
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         # bound without SO_REUSEADDR: the kernel picks a port with no socket on it at all, as before
         self._socket.bind(("", 0))
         self.port: int = self._socket.getsockname()[1]
