@@ -96,7 +96,7 @@ class _PortConflictReruns:
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.conflicts += [value for name, value in report.user_properties if name == "port_conflict"]
+        self.conflicts += [str(value) for name, value in report.user_properties if name == "port_conflict"]
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.conflicts:
