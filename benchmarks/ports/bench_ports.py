@@ -11,77 +11,79 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Stress the pick-a-port-then-bind race of the rendezvous store, and compare ways of picking ports.
+"""Stress the pick-a-port-then-bind race of the rendezvous store, and compare ways of picking the port.
 
-K worker processes run R rounds each of: get a port, wait a launcher-like window, bind a real ``TCPStore`` on it as
-rank 0, connect a second rank (client) and check a per-trial nonce (a client reaching someone else's store is
-cross-talk), release the port. Noise processes meanwhile open ephemeral listeners and make outgoing connections, as
-other programs on a CI machine do. Pickers compared in the same run:
+Worker processes repeat trials: pick a port, wait a launcher-like window (the launcher starts the other ranks), bind
+the rank-0 store on it, keep it for a short run, close it and release the pick. Noise processes meanwhile open
+ephemeral listeners and make outgoing connections, as other programs on a CI machine do. Pickers, in the same run:
 
 * ``stock``: Lightning 2.6.6's ``find_free_network_port`` (bind port 0, close, hand out the number);
-* ``deque``: a per-process manager in the style of PR #21309 (bind port 0, skip ports this process holds or released
+* ``per-process``: a manager in the style of PR #21309 (bind port 0, skip ports this process holds or released
   recently, a thread lock, nothing shared between processes);
-* ``ours-os``: :class:`~lightning.fabric.utilities.port_manager.PortManager` with the pool turned off (cross-process
-  leases on ephemeral ports);
-* ``ours``: ``PortManager`` with its default pool below the ephemeral range;
-* ``ours+hold``: ``ours``, plus a listening socket opened at lease time and handed to ``TCPStore`` through
-  ``master_listen_fd`` (no gap at all between lease and bind).
+* ``name-lease``: bind port 0, then lease the port under an abstract UNIX socket name ``\\0lightning-port-<port>``
+  (Linux; EADDRINUSE on the name means another process leased it: pick again), close the TCP socket, keep the name
+  until the run ends. This coordinates the pickers but not the noise;
+* ``held`` (this patch): :class:`~lightning.fabric.utilities.port_manager.PortReservation`, which keeps the picking
+  socket bound, with ``SO_REUSEADDR`` and not listening, until the run ends.
 
-Run from the repository root (not part of the test suite)::
+The store is bound as ``TCPStore``'s server binds (both backends): a dual-stack socket where available,
+``SO_REUSEADDR``, bind, listen. That bind fails with ``EADDRINUSE`` under exactly the conditions the store's does, so
+the trials use it instead of a full ``TCPStore`` (``tests/tests_fabric/utilities/test_port_manager.py`` checks that
+real stores of both backends bind held ports). A trial fails when the bind fails ("EADDRINUSE"); "shared" counts
+pairs of trials of different processes that were handed the same port while both were alive.
 
-    python benchmarks/ports/bench_ports.py              # both scenarios; the narrowed one needs `unshare` and root
-    python benchmarks/ports/bench_ports.py --rounds 50  # quicker
+Run from the repository root, with the fork installed (not part of the test suite)::
 
-The narrowed scenario re-runs this script in a private network namespace (``unshare --net``) whose ephemeral range is
-set to ``--narrow-range`` ports, so that bind(0) pickers and the noise compete for few ports; nothing leaves the
-namespace's loopback interface. The default scenario runs on the machine's loopback with its normal range.
+    python benchmarks/ports/bench_ports.py                  # default range, then a narrowed one in a private netns
+    python benchmarks/ports/bench_ports.py --trials 500     # quicker
+
+The narrowed scenario re-runs this script in a private network namespace (``unshare -rn``) whose ephemeral range is
+set to ``--narrow-range``; nothing leaves its loopback interface.
 
 """
 
 import argparse
 import contextlib
+import errno
+import json
 import os
-import queue
 import random
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
-from datetime import timedelta
 from multiprocessing import get_context
 
-METHODS = ("stock", "deque", "ours-os", "ours", "ours+hold")
+PICKERS = ("stock", "per-process", "name-lease", "held")
 
 
-def stock_pick() -> int:
-    """What ``find_free_network_port`` did in Lightning 2.6.6."""
+def _stock() -> tuple[int, None]:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("", 0))
     port = s.getsockname()[1]
     s.close()
-    return port
+    return port, None
 
 
-class DequeManager:
-    """A process-local manager in the style of PR #21309."""
+class _PerProcess:
+    """PR #21309's idea: remember ports held and recently released, in this process only."""
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: set[int] = set()
-        self._recent: deque[int] = deque(maxlen=size)
+        self._recent: deque[int] = deque(maxlen=1024)
 
-    def allocate(self) -> int:
+    def pick(self) -> tuple[int, int]:
         with self._lock:
             for _ in range(1000):
-                port = stock_pick()
+                port, _ = _stock()
                 if port not in self._held and port not in self._recent:
                     self._held.add(port)
-                    return port
+                    return port, port
         raise RuntimeError("no port")
 
     def release(self, port: int) -> None:
@@ -90,113 +92,108 @@ class DequeManager:
             self._recent.append(port)
 
 
-def _hold_socket(port: int) -> socket.socket:
-    """Bind and listen the way TCPStore does, to pass the socket as ``master_listen_fd``."""
-    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    sock.bind(("::", port))
-    sock.listen(128)
+def _name_lease() -> tuple[int, socket.socket]:
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+            lease = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                lease.bind(f"\0lightning-port-{port}")
+                return port, lease
+            except OSError as ex:
+                lease.close()
+                if ex.errno != errno.EADDRINUSE:
+                    raise
+    raise RuntimeError("no port")
+
+
+def _bind_store(port: int) -> socket.socket:
+    if socket.has_dualstack_ipv6():
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        address = ("::", port)
+    else:
+        sock, address = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("", port)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
-def worker(method: str, rounds: int, window: float, registry: str, seed: int, out) -> None:
-    from torch.distributed import TCPStore
-
-    from lightning.fabric.utilities.port_manager import PortManager
+def worker(picker: str, trials: int, window: float, seed: int, out) -> None:
+    from lightning.fabric.utilities.port_manager import PortReservation
 
     rng = random.Random(seed)
-    if method.startswith("ours"):
-        manager = PortManager(registry_dir=registry, pool=range(0) if method == "ours-os" else None)
-        allocate, release = manager.allocate_port, manager.release_port
-    elif method == "deque":
-        manager = DequeManager()
-        allocate, release = manager.allocate, manager.release
-    else:
-        allocate, release = stock_pick, lambda port: None
-
-    pid = os.getpid()
-    for r in range(rounds):
+    per_process = _PerProcess()
+    results = []
+    for _ in range(trials):
         t0 = time.perf_counter()
         try:
-            port = allocate()
-        except RuntimeError:  # the picker gave up: no port at all
-            out.put((pid, "no_port", None, None))
+            if picker == "stock":
+                port, handle = _stock()
+            elif picker == "per-process":
+                port, handle = per_process.pick()
+            elif picker == "name-lease":
+                port, handle = _name_lease()
+            else:
+                handle = PortReservation()
+                port = handle.port
+        except (RuntimeError, OSError):
+            results.append(("no_port", None, None, None, None))
             continue
         latency = time.perf_counter() - t0
         start = time.monotonic()
-        held = None
-        master = client = None
+        time.sleep(rng.uniform(0.5, 1.5) * window)  # the launcher starts the other ranks meanwhile
         outcome = "ok"
         try:
-            if method == "ours+hold":
-                held = _hold_socket(port)
-            time.sleep(rng.uniform(0.5, 1.5) * window)  # the launcher starts the other ranks meanwhile
-            kwargs = {"master_listen_fd": held.fileno()} if held is not None else {}
-            master = TCPStore(
-                "127.0.0.1", port, 2, True, timeout=timedelta(seconds=5), wait_for_workers=False, **kwargs
-            )
-            if held is not None:
-                held.detach()  # the store owns the descriptor now
-                held = None
-            client = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=5))
-            nonce = f"{pid}-{r}-{rng.random()}"
-            master.set("nonce", nonce)
-            if client.get("nonce").decode() != nonce:
-                outcome = "crosstalk"
-        except Exception as ex:
-            text = str(ex)
-            if "EADDRINUSE" in text or "address already in use" in text.lower():
-                outcome = "eaddrinuse"
-            elif "timed out" in text.lower() or "timeout" in text.lower():
-                outcome = "hang"
-            else:
-                outcome = "other"
-        finally:
-            del client, master
-            if held is not None:
-                held.close()
-            interval = (port, start, time.monotonic(), pid)
-            release(port)
-        out.put((pid, outcome, latency, interval))
-    out.put((pid, "done", None, None))
+            store = _bind_store(port)
+        except OSError as ex:
+            outcome = "eaddrinuse" if ex.errno == errno.EADDRINUSE else "other"
+        else:
+            time.sleep(rng.uniform(0, window))  # the run
+            store.close()
+        if picker == "per-process":
+            per_process.release(port)
+        elif handle is not None:
+            handle.close() if picker == "name-lease" else handle.release()
+        results.append((outcome, latency, port, start, time.monotonic()))
+    out.put((os.getpid(), results))
 
 
 def noise(stop, seed: int) -> None:
-    """Churn ephemeral ports: short-lived listeners on port 0 and outgoing connections (left in TIME_WAIT)."""
+    """Churn ephemeral ports: short-lived listeners on port 0 and outgoing connections."""
     rng = random.Random(seed)
     sink = socket.socket()
     sink.bind(("127.0.0.1", 0))
     sink.listen(1024)
     sink.setblocking(False)
-    sink_port = sink.getsockname()[1]
     held: list[socket.socket] = []
-    parent = os.getppid()
-    deadline = time.monotonic() + 1800  # stops by itself, also when the parent died
-    while not stop.is_set() and time.monotonic() < deadline and os.getppid() == parent:
+    while not stop.is_set():
         with contextlib.suppress(OSError):
             if rng.random() < 0.5:
                 s = socket.socket()
                 s.bind(("", 0))
                 s.listen(1)
             else:
-                s = socket.create_connection(("127.0.0.1", sink_port), timeout=1)
+                s = socket.create_connection(sink.getsockname(), timeout=1)
             held.append(s)
         with contextlib.suppress(OSError):
             while True:
-                conn, _ = sink.accept()
-                conn.close()
+                sink.accept()[0].close()
         while len(held) > 20 or (held and rng.random() < 0.3):
             held.pop(rng.randrange(len(held))).close()
         time.sleep(rng.uniform(0, 0.002))
-    for s in held:
-        s.close()
 
 
-def _double_leases(intervals) -> int:
-    """Count pairs of intervals of different processes that held the same port at the same time."""
+def _shared(intervals: list) -> int:
+    """Pairs of trials of different processes handed the same port while both were alive."""
     by_port: dict[int, list] = {}
-    for port, start, end, pid in intervals:
+    for pid, port, start, end in intervals:
         by_port.setdefault(port, []).append((start, end, pid))
     count = 0
     for spans in by_port.values():
@@ -209,162 +206,97 @@ def _double_leases(intervals) -> int:
     return count
 
 
-def _leaked_leases(registry: str) -> int:
-    import fcntl
-
-    leaked = 0
-    for name in os.listdir(registry):
-        fd = os.open(os.path.join(registry, name), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            leaked += 1
-        finally:
-            os.close(fd)
-    return leaked
-
-
-def run_method(method: str, args) -> dict:
-    # import once here: forked workers start at once instead of importing torch in each
-    import torch.distributed  # noqa: F401
-
-    import lightning.fabric.utilities.port_manager  # noqa: F401
-
+def run_picker(picker: str, args) -> dict:
     ctx = get_context("fork")
-    registry = tempfile.mkdtemp(prefix="bench-ports-")
     stop = ctx.Event()
     noisers = [ctx.Process(target=noise, args=(stop, 1000 + i), daemon=True) for i in range(args.noise)]
     for p in noisers:
         p.start()
     out = ctx.Queue()
-    start = time.monotonic()
-    workers = [
-        ctx.Process(target=worker, args=(method, args.rounds, args.window, registry, i, out))
-        for i in range(args.workers)
-    ]
+    per_worker = -(-args.trials // args.workers)
+    started = time.monotonic()
+    workers = [ctx.Process(target=worker, args=(picker, per_worker, args.window, i, out)) for i in range(args.workers)]
     for p in workers:
         p.start()
-    total = {"trials": 0, "no_port": 0, "eaddrinuse": 0, "crosstalk": 0, "hang": 0, "other": 0}
-    latencies, intervals = [], []
-    last_seen = {p.pid: time.monotonic() for p in workers}
-    running = set(last_seen)
-    while running:
-        try:
-            pid, outcome, latency, interval = out.get(timeout=1)
-        except queue.Empty:
-            pid = None
-        if pid is not None:
-            last_seen[pid] = time.monotonic()
-            if outcome == "done":
-                running.discard(pid)
-                continue
-            total["trials"] += 1
-            if outcome != "ok":
-                total[outcome] += 1
-            if latency is not None:
-                latencies.append(latency)
-                intervals.append(interval)
-        for p in workers:
-            # a trial stuck past every timeout of the store (5 s each) is a hang: count it and stop that worker
-            if p.pid in running and time.monotonic() - last_seen[p.pid] > args.stall:
-                p.kill()
-                running.discard(p.pid)
-                total["trials"] += 1
-                total["hang"] += 1
-            elif p.pid in running and not p.is_alive() and out.empty():
-                running.discard(p.pid)
-                total["trials"] += 1
-                total["other"] += 1
+    rows = [(pid, r) for pid, results in (out.get(timeout=900) for _ in workers) for r in results]
     for p in workers:
-        p.join(timeout=10)
+        p.join()
     stop.set()
     for p in noisers:
         p.join(timeout=10)
-    elapsed = time.monotonic() - start
-    total["double_lease"] = _double_leases(intervals)
-    total["leaked"] = _leaked_leases(registry) if method.startswith("ours") else 0
-    shutil.rmtree(registry, ignore_errors=True)
-    latencies.sort()
-    total["p50_ms"] = statistics.median(latencies) * 1e3 if latencies else float("nan")
-    total["p99_ms"] = latencies[int(0.99 * (len(latencies) - 1))] * 1e3 if latencies else float("nan")
-    total["seconds"] = elapsed
-    return total
+    outcomes = [r[0] for _, r in rows]
+    latencies = sorted(r[1] for _, r in rows if r[1] is not None)
+    return {
+        "trials": len(rows),
+        "no_port": outcomes.count("no_port"),
+        "eaddrinuse": outcomes.count("eaddrinuse"),
+        "other": outcomes.count("other"),
+        "shared": _shared([(pid, r[2], r[3], r[4]) for pid, r in rows if r[2] is not None]),
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
+        "seconds": time.monotonic() - started,
+    }
 
 
-def print_table(title: str, rows: dict) -> None:
-    print(f"\n{title}")
-    columns = ("no_port", "eaddrinuse", "crosstalk", "hang", "other", "double_lease")
-    print(
-        "| picker | trials | no port /1k | EADDRINUSE /1k | cross-talk /1k | hangs /1k | other /1k"
-        " | two live leases /1k | leaked leases | alloc p50 ms | alloc p99 ms |"
-    )
-    print("|" + "|".join("---" for _ in range(11)) + "|")
-    for method, t in rows.items():
-        per_k = " | ".join(f"{1000 * t[k] / max(t['trials'], 1):.1f}" for k in columns)
-        print(
-            f"| {method} | {t['trials']} | {per_k} | {t['leaked']} | {t['p50_ms']:.3f} | {t['p99_ms']:.3f} |",
-            flush=True,
-        )
-
-
-def run_scenario(args) -> None:
+def run_scenario(args) -> dict:
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low, high = f.read().split()
+        port_range = "-".join(f.read().split())
     rows = {}
-    for method in args.methods:
-        rounds = args.rounds * args.ours_factor if method == "ours" else args.rounds
-        rows[method] = run_method(method, argparse.Namespace(**{**vars(args), "rounds": rounds}))
-        print(f"  {args.title}: {method} done in {rows[method]['seconds']:.1f}s", file=sys.stderr, flush=True)
-    print_table(
-        f"{args.title}: ephemeral range {low}-{high}, {args.workers} workers, {args.noise} noise processes,"
-        f" window {args.window * 1e3:.0f} ms",
-        rows,
-    )
+    for picker in args.pickers:
+        rows[picker] = run_picker(picker, args)
+        print(f"  {port_range}: {picker} done in {rows[picker]['seconds']:.0f}s", file=sys.stderr, flush=True)
+    return {"range": port_range, "rows": rows}
+
+
+def print_table(scenarios: list) -> None:
+    print("| range | picker | trials | EADDRINUSE | no port | other | shared | pick p50 ms | pick p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for scenario in scenarios:
+        for picker, t in scenario["rows"].items():
+            print(
+                f"| {scenario['title']} {scenario['range']} | {picker} | {t['trials']} | {t['eaddrinuse']} |"
+                f" {t['no_port']} | {t['other']} | {t['shared']} | {t['p50_ms']:.3f} | {t['p99_ms']:.3f} |"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=5000, help="trials per picker and scenario")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=250, help="rounds per worker")
-    parser.add_argument("--ours-factor", type=int, default=5, help="run `ours` this many times more rounds")
     parser.add_argument("--window", type=float, default=0.01, help="mean seconds between pick and bind")
     parser.add_argument("--noise", type=int, default=2)
-    parser.add_argument("--stall", type=float, default=60, help="seconds without progress that count as a hang")
     parser.add_argument("--narrow-range", default="40000 40299")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--scenario", choices=("both", "narrow", "default", "_inside"), default="both")
-    parser.add_argument("--title", default="default range")
+    parser.add_argument("--pickers", nargs="+", default=list(PICKERS), choices=PICKERS)
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    import lightning.fabric.utilities.port_manager  # noqa: F401  (imported once, before the workers fork)
 
-    if args.scenario == "_inside":
-        run_scenario(args)
+    if args.inside:
+        print(json.dumps(run_scenario(args)))
         return
-    if args.scenario in ("both", "narrow"):
-        if shutil.which("unshare") and shutil.which("ip") and os.geteuid() == 0:
-            forwarded = [
-                f"--workers={args.workers}",
-                f"--rounds={args.rounds}",
-                f"--ours-factor={args.ours_factor}",
-                f"--window={args.window}",
-                f"--noise={args.noise}",
-                f"--stall={args.stall}",
-                "--methods",
-                *args.methods,
-            ]
-            inner = " ".join(
-                [
-                    "ip link set lo up &&",
-                    f"echo '{args.narrow_range}' > /proc/sys/net/ipv4/ip_local_port_range &&",
-                    f"{sys.executable} {os.path.abspath(__file__)} --scenario _inside",
-                    "--title 'private namespace, narrowed range'",
-                    *forwarded,
-                ]
-            )
-            subprocess.run(["unshare", "--net", "sh", "-c", inner], check=True)
+    started = time.monotonic()
+    scenarios = [{"title": "default", **run_scenario(args)}]
+    if shutil.which("unshare") and shutil.which("ip"):
+        forwarded = [f"--trials={args.trials}", f"--workers={args.workers}", f"--window={args.window}"]
+        forwarded += [f"--noise={args.noise}", "--pickers", *args.pickers, "--inside"]
+        inner = (
+            f"ip link set lo up && echo '{args.narrow_range}' > /proc/sys/net/ipv4/ip_local_port_range"
+            f' && exec "$0" {os.path.abspath(__file__)} "$@"'
+        )
+        result = subprocess.run(
+            ["unshare", "-rn", "sh", "-c", inner, sys.executable, *forwarded], stdout=subprocess.PIPE, text=True
+        )
+        if result.returncode == 0:
+            scenarios.append({"title": "narrowed, private netns", **json.loads(result.stdout.splitlines()[-1])})
         else:
-            print("\nSkipping the narrowed-range scenario: it needs root, `unshare` and `ip`.")
-    if args.scenario in ("both", "default"):
-        run_scenario(args)
+            print("the narrowed scenario failed: no private network namespace here?", file=sys.stderr)
+    else:
+        print("skipping the narrowed scenario: it needs `unshare` and `ip`", file=sys.stderr)
+    print(
+        f"\n{args.workers} workers, {args.noise} noise processes, window {args.window * 1e3:.0f} ms,"
+        f" {time.monotonic() - started:.0f} s in all, torch-free store binds (see the docstring)\n"
+    )
+    print_table(scenarios)
 
 
 if __name__ == "__main__":

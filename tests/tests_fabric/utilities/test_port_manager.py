@@ -11,482 +11,342 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
+"""The port Lightning picks for the rendezvous store: kept bound until the store binds it, on Linux.
+
+Every test uses real sockets, real ``TCPStore`` servers and, where processes matter, real processes.
+
+"""
+
+import json
 import os
+import pickle
 import shutil
-import signal
 import socket
-import stat
 import subprocess
 import sys
 import textwrap
-import threading
+import warnings
 from datetime import timedelta
+from unittest import mock
 
 import pytest
+import torch.distributed
+from packaging.version import Version
 from torch.distributed import TCPStore
 
+from lightning.fabric.plugins.environments import LightningEnvironment, MPIEnvironment
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning.fabric.utilities import port_manager as pm
-from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_2
-from lightning.fabric.utilities.port_manager import PortManager, get_port_manager, parse_port, probe_port
+from lightning.fabric.utilities import port_manager
+from lightning.fabric.utilities.port_manager import PortReservation
 
-POSIX = sys.platform != "win32"
-
-
-@pytest.fixture
-def registry(tmp_path):
-    return str(tmp_path / "registry")
+_TORCH_GREATER_EQUAL_2_4 = Version(torch.__version__).release >= (2, 4)
+_LINUX = sys.platform.startswith("linux")
+linux_only = pytest.mark.skipif(not _LINUX, reason="ports are kept bound on Linux only")
 
 
-def _free_run(length):
-    """A run of ``length`` consecutive ports in the default pool region that are free right now."""
-    pool = pm._default_pool() or range(20000, 28000)
-    for start in range(pool.start + 200, pool.stop - length, length):
-        if all(probe_port(p) for p in range(start, start + length)):
-            return range(start, start + length)
-    pytest.skip("no run of free ports")
-
-
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "70000", "", " ", "1.5"])
-def test_parse_port_rejects(value):
-    with pytest.raises(ValueError, match=rf"MASTER_PORT={value!r}"):
-        parse_port(value, "MASTER_PORT")
-
-
-@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("29500", 29500), (" 65535\n", 65535)])
-def test_parse_port_accepts(value, expected):
-    assert parse_port(value, "MASTER_PORT") == expected
-
-
-def test_default_pool_is_below_ephemeral_range(monkeypatch):
-    monkeypatch.delenv("LIGHTNING_PORT_POOL", raising=False)
-    low, high = pm.ephemeral_port_range()
-    pool = pm._default_pool()
-    assert 1 <= low <= high <= 65535
-    assert pool is not None
-    assert pool.stop == low
-    assert pool.start >= 1024
-    assert len(pool) == min(8192, low - 1024)
-
-
-@pytest.mark.parametrize(("value", "expected"), [("20000-20009", range(20000, 20010)), ("off", None), ("0", None)])
-def test_pool_from_env(monkeypatch, registry, value, expected):
-    monkeypatch.setenv("LIGHTNING_PORT_POOL", value)
-    assert PortManager(registry_dir=registry).pool == expected
-
-
-@pytest.mark.parametrize("value", ["20010-20000", "abc", "20000-", "1-70000"])
-def test_pool_from_env_invalid(monkeypatch, value):
-    monkeypatch.setenv("LIGHTNING_PORT_POOL", value)
-    with pytest.raises(ValueError, match="LIGHTNING_PORT_POOL"):
-        pm._default_pool()
-
-
-def test_allocate_leases_a_bindable_pool_port(registry):
-    manager = PortManager(registry_dir=registry)
-    port = manager.allocate_port()
-    assert port in manager.pool
-    assert manager.allocated_ports == {port}
-    assert os.path.exists(os.path.join(registry, f"{port}.lock"))
-    # another manager on the same registry (another process, in real life) cannot get it, even when asking for it
-    other = PortManager(registry_dir=registry)
-    assert other.allocate_port(preferred_port=port) != port
-    other.release_all()
-    # the port really is free for rank 0's store
-    store = TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
-    store.set("k", "v")
-    assert store.get("k") == b"v"
-    del store
-    manager.release_port(port)
-    assert manager.allocated_ports == frozenset()
-    assert not os.path.exists(os.path.join(registry, f"{port}.lock"))
-    assert other.allocate_port(preferred_port=port) == port
-
-
-@pytest.mark.parametrize(
-    "use_libuv",
-    [
-        pytest.param(True, marks=pytest.mark.skipif(not _TORCH_GREATER_EQUAL_2_2, reason="libuv TCPStore: torch 2.2+")),
-        False,
-    ],
-)
-def test_allocated_ports_bind_real_tcpstores(registry, use_libuv):
-    manager = PortManager(registry_dir=registry)
-    ports = [manager.allocate_port() for _ in range(4)]
-    assert len(set(ports)) == 4
-    stores = [
-        TCPStore("127.0.0.1", p, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False, use_libuv=use_libuv)
-        for p in ports
-    ]
-    clients = [TCPStore("127.0.0.1", p, 2, False, timeout=timedelta(seconds=10), use_libuv=use_libuv) for p in ports]
-    for i in range(len(ports)):
-        stores[i].set("nonce", str(i))
-        assert clients[i].get("nonce") == str(i).encode()
-    # while the stores live, no manager on the machine would hand these ports out
-    assert not any(probe_port(p) for p in ports)
-    manager.release_all()
-    assert manager.allocated_ports == frozenset()
-
-
-def _leave_time_wait(reuse_addr):
-    """Close a server-side connection first so that its port is left in TIME_WAIT; return the port."""
-    with socket.socket() as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        assert not probe_port(port)  # a live listener
-        client = socket.create_connection(("127.0.0.1", port))
-        conn, _ = listener.accept()
-        conn.close()
-        client.close()
-    return port
-
-
-def _store_binds(port):
-    try:
-        store = TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
-    except RuntimeError as ex:
-        if "EADDRINUSE" not in str(ex):
-            raise
-        return False
-    del store
+def _plain_bind_succeeds(port: int) -> bool:
+    """Whether a socket without ``SO_REUSEADDR`` can bind ``port``: false while anyone holds it."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
     return True
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="Linux TIME_WAIT semantics")
-@pytest.mark.skipif(not _TORCH_GREATER_EQUAL_2_2, reason="torch 2.1's TCPStore does not bind a port in TIME_WAIT")
-def test_probe_agrees_with_tcpstore_on_time_wait():
-    # TIME_WAIT left by a socket with SO_REUSEADDR (as a previous TCPStore's): both the probe and a new store bind
-    port = _leave_time_wait(reuse_addr=True)
-    assert probe_port(port)
-    assert _store_binds(port)
-    # TIME_WAIT left by a socket without SO_REUSEADDR: Linux refuses both
-    port = _leave_time_wait(reuse_addr=False)
-    assert not probe_port(port)
-    assert not _store_binds(port)
+def _stores_bind(port: int) -> None:
+    """Rank 0's store binds ``port`` and a second rank reaches it, with every store backend this torch has."""
+    for kwargs in ({"use_libuv": True}, {"use_libuv": False}) if _TORCH_GREATER_EQUAL_2_4 else ({},):
+        server = TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False, **kwargs)
+        client = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10), **kwargs)
+        server.set("key", "value")
+        assert client.get("key") == b"value"
+        del client, server
 
 
-def test_preferred_port(registry):
-    manager = PortManager(registry_dir=registry)
-    (port,) = _free_run(1)
-    assert manager.allocate_port(preferred_port=port) == port
-    # already leased by this manager: another port
-    assert manager.allocate_port(preferred_port=port) != port
-    manager.release_all()
-    # a live socket on the preferred port: another port
-    with socket.socket() as sock:
-        sock.bind(("", port))
-        sock.listen(1)
-        assert manager.allocate_port(preferred_port=port) != port
-    with pytest.raises(ValueError, match="preferred_port"):
-        manager.allocate_port(preferred_port=70000)
-    with pytest.raises(ValueError, match="max_attempts"):
-        manager.allocate_port(max_attempts=0)
+@pytest.fixture
+def env(monkeypatch):
+    for name in ("MASTER_PORT", "STANDALONE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    env = LightningEnvironment()
+    yield env
+    env.teardown()
 
 
-def test_recently_released_not_handed_out_again(registry):
-    ports = _free_run(3)
-    manager = PortManager(registry_dir=registry, pool=ports, recently_released_size=2)
-    first = manager.allocate_port()
-    manager.release_port(first)
-    assert manager.recently_released == (first,)
-    second = manager.allocate_port()
-    assert second != first
-    manager.release_port(second)
-    third = manager.allocate_port()
-    assert third not in (first, second)
-    assert {first, second, third} == set(ports)
-    manager.release_port(third)
-    # `first` dropped off the 2-slot queue, so it is the only pool port allowed again
-    assert manager.recently_released == (second, third)
-    assert manager.allocate_port() == first
-    manager.release_all()
+@linux_only
+def test_picked_port_is_held_until_teardown_and_the_store_binds_it(env):
+    port = env.main_port
+    assert env.main_port == port
+    # while held, no other socket is given the port: not bind(0), not a plain bind
+    assert not _plain_bind_succeeds(port)
+    assert port not in {find_free_network_port() for _ in range(300)}
+    _stores_bind(port)
+    env.teardown()
+    assert _plain_bind_succeeds(port)
 
 
-def test_pool_exhausted_falls_back_to_os(registry):
-    ports = _free_run(2)
-    manager = PortManager(registry_dir=registry, pool=ports)
-    taken = {manager.allocate_port(), manager.allocate_port()}
-    assert taken == set(ports)
-    extra = manager.allocate_port()
-    assert extra not in ports
-    low, high = pm.ephemeral_port_range()
-    assert low <= extra <= high
-    manager.release_all()
+@linux_only
+def test_held_port_is_not_given_to_other_processes(env):
+    script = "from lightning.fabric.plugins.environments.lightning import find_free_network_port as f\n"
+    script += "print(sorted({f() for _ in range(500)}))"
+    port = env.main_port
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert port not in json.loads(out)
 
 
-def test_release_all_and_unknown_port(registry):
-    manager = PortManager(registry_dir=registry)
-    ports = {manager.allocate_port() for _ in range(5)}
-    manager.reserve_existing_port(29999)
-    manager.release_port(1)  # not held: no error, but remembered
-    assert manager.recently_released == (1,)
-    manager.release_all()
-    assert manager.allocated_ports == frozenset()
-    assert manager.reserved_ports == frozenset()
-    assert os.listdir(registry) == []
-    assert set(manager.recently_released) == ports | {1, 29999}
+def test_user_port_is_used_as_given(monkeypatch):
+    with socket.socket() as listener:  # the port is busy: a user's port is still never replaced or probed
+        listener.bind(("127.0.0.1", 0))
+        busy = listener.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", f" {busy}\n")
+        env = LightningEnvironment()
+        assert env.main_port == busy
+        assert env._port_reservation is None
+        monkeypatch.delenv("MASTER_PORT")
+        monkeypatch.setenv("STANDALONE_PORT", str(busy))
+        assert LightningEnvironment().main_port == busy
+        assert find_free_network_port() == busy
 
 
-def test_reserve_existing_port(registry):
-    manager = PortManager(registry_dir=registry)
-    (port,) = _free_run(1)
-    assert manager.reserve_existing_port(port)
-    assert not manager.reserve_existing_port(port)
-    assert manager.reserved_ports == {port}
-    # never handed out, not probed, no cross-process lease
-    assert manager.allocate_port(preferred_port=port) != port
-    assert not os.path.exists(os.path.join(registry, f"{port}.lock"))
-    leased = next(iter(manager.allocated_ports))
-    assert not manager.reserve_existing_port(leased)
-    manager.release_port(port)
-    assert manager.reserved_ports == frozenset()
-    with pytest.raises(ValueError, match="65535"):
-        manager.reserve_existing_port(0)
-    manager.release_all()
+@pytest.mark.parametrize("value", ["1_000", "\uff12\uff19\uff15\uff10\uff10", "29500.0", "abc", "", "0", "65536", "-1"])
+@pytest.mark.parametrize("name", ["MASTER_PORT", "STANDALONE_PORT"])
+def test_port_variables_accept_only_ascii_port_numbers(monkeypatch, name, value):
+    """``int()`` accepted "1_000" and full-width digits; the error names the variable."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"Invalid {name}="):
+        LightningEnvironment().main_port  # noqa: B018
 
 
-def test_allocated_port_context_manager(registry):
-    manager = PortManager(registry_dir=registry)
-    with manager.allocated_port() as port:
-        assert manager.allocated_ports == {port}
-    assert manager.allocated_ports == frozenset()
-    with pytest.raises(RuntimeError, match="boom"), manager.allocated_port() as port:
-        raise RuntimeError("boom")
-    assert manager.allocated_ports == frozenset()
-    assert manager.recently_released[-1] == port
+@linux_only
+def test_ports_come_from_the_ephemeral_range_only(env):
+    """The OS picks the port, as ``bind(0)`` does: never 29500/29400, SLURM's range or reserved ports below it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(v) for v in f.read().split())
+    envs = [LightningEnvironment() for _ in range(100)]
+    ports = {e.main_port for e in envs}
+    for e in envs:
+        e.teardown()
+    assert len(ports) == 100
+    assert all(low <= port <= high for port in ports), sorted(ports)
 
 
-def test_unusable_registry_fails_after_max_attempts(registry):
-    manager = PortManager(registry_dir=registry)
-    shutil.rmtree(registry)
-    with pytest.raises(RuntimeError, match="after 5 attempts"):
-        manager.allocate_port(max_attempts=5)
-
-
-@pytest.mark.skipif(not POSIX, reason="POSIX permissions")
-def test_registry_dir_is_private(tmp_path, monkeypatch):
-    path = tmp_path / "new"
-    monkeypatch.setenv("LIGHTNING_PORT_REGISTRY_DIR", str(path))
-    assert PortManager().registry_dir == str(path)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
-    loose = tmp_path / "loose"
-    loose.mkdir()
-    os.chmod(loose, 0o777)  # noqa: S103 - the manager must tighten it
-    assert PortManager(registry_dir=str(loose)).registry_dir == str(loose)
-    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
-
-
-@pytest.mark.skipif(not POSIX, reason="symlinks")
-def test_registry_dir_symlink_is_not_used(tmp_path):
-    target = tmp_path / "target"
-    target.mkdir(mode=0o700)
-    link = tmp_path / "link"
-    link.symlink_to(target)
-    with pytest.warns(UserWarning, match="not a directory"):
-        manager = PortManager(registry_dir=str(link))
-    assert manager.registry_dir is None
-
-
-@pytest.mark.skipif(not POSIX or os.geteuid() != 0, reason="needs root to create a directory owned by another user")
-def test_registry_dir_of_another_user_is_not_used(tmp_path):
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    os.chown(foreign, 65534, 65534)
-    with pytest.warns(UserWarning, match="port registry is unavailable"):
-        manager = PortManager(registry_dir=str(foreign))
-    assert manager.registry_dir is None
-    # still works, coordinated within the process only
-    with manager.allocated_port() as port:
-        assert probe_port(port)
-    assert os.listdir(foreign) == []
-
-
-def test_thread_safety(registry):
-    manager = PortManager(registry_dir=registry)
-    results, errors = [], []
-
-    def work():
-        try:
-            for _ in range(8):  # 8 threads x 8: exactly the leases one process may hold
-                results.append(manager.allocate_port())
-        except Exception as ex:  # pragma: no cover - would fail the assertion below
-            errors.append(ex)
-
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert len(results) == 64
-    assert len(set(results)) == 64
-    assert manager.allocated_ports == set(results)
-    manager.release_all()
-
-
-def test_get_port_manager_is_a_thread_safe_singleton(monkeypatch):
-    monkeypatch.setattr(pm, "_manager", None)
-    seen = []
-    barrier = threading.Barrier(8)
-
-    def get():
-        barrier.wait()
-        seen.append(get_port_manager())
-
-    threads = [threading.Thread(target=get) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(seen) == 8
-    assert all(m is seen[0] for m in seen)
-    assert isinstance(seen[0], PortManager)
-
-
-_HOLDER = textwrap.dedent(
+_IN_NAMESPACE = textwrap.dedent(
     """
-    import sys
-    from lightning.fabric.utilities.port_manager import PortManager
-
-    manager = PortManager(registry_dir=sys.argv[1], pool=range(int(sys.argv[2]), int(sys.argv[3])))
-    print("ready", flush=True)
-    sys.stdin.readline()  # start together with the others
-    ports = [manager.allocate_port() for _ in range(int(sys.argv[4]))]
-    print(" ".join(map(str, ports)), flush=True)
-    sys.stdin.readline()  # hold the leases until told to go
+    import json
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    envs = [LightningEnvironment() for _ in range(2)]
+    print(json.dumps(sorted(e.main_port for e in envs)))
     """
 )
 
 
-def _start_holders(registry, pool, count, n):
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, registry, str(pool.start), str(pool.stop), str(n)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+@linux_only
+@pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("ip")), reason="needs unshare and ip")
+def test_reserved_ports_and_a_narrow_range_are_respected():
+    """In a private network namespace whose ephemeral range is 10 ports, 8 of them reserved: only 2 are used."""
+    setup = (
+        "ip link set lo up && echo '40000 40009' > /proc/sys/net/ipv4/ip_local_port_range &&"
+        ' echo \'40000-40007\' > /proc/sys/net/ipv4/ip_local_reserved_ports && exec "$0" -c "$1"'
+    )
+    result = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", setup, sys.executable, _IN_NAMESPACE], capture_output=True, text=True
+    )
+    if result.returncode and "unshare" in result.stderr + result.stdout:
+        pytest.skip(f"no private network namespace here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [40008, 40009]
+
+
+_HOLD_AND_REPORT = textwrap.dedent(
+    """
+    import sys, warnings
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    warnings.simplefilter("error")
+    env = LightningEnvironment()
+    print(env.main_port, flush=True)
+    sys.stdin.read()  # hold until the test is done
+    """
+)
+
+
+@linux_only
+def test_processes_with_private_temp_dirs_and_old_pool_settings_get_distinct_ports(tmp_path):
+    """Coordination does not depend on TMPDIR or the user: the kernel's port table is shared by the namespace.
+
+    ``LIGHTNING_PORT_POOL`` (a setting of an earlier version of this patch) must not funnel processes onto one port,
+    and a directory another user created where an earlier version kept its registry must not matter (root only).
+
+    """
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        pool_port = probe.getsockname()[1]
+    procs = []
+    for i in range(4):
+        tmpdir = tmp_path / f"tmp{i}"
+        tmpdir.mkdir()
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            (tmpdir / "lightning-ports-0").mkdir()
+            os.chown(tmpdir / "lightning-ports-0", 65534, 65534)
+        env = {**os.environ, "TMPDIR": str(tmpdir), "LIGHTNING_PORT_POOL": f"{pool_port}-{pool_port}"}
+        env.pop("MASTER_PORT", None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _HOLD_AND_REPORT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
         )
-        for _ in range(count)
-    ]
-    for p in procs:
-        assert p.stdout.readline().strip() == "ready"
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    return procs
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(not POSIX, reason="flock and SIGKILL")
-def test_processes_leasing_at_once_never_overlap_and_sigkill_frees(registry):
-    # 3 processes x 60 ports (within the 64 leases a process keeps) from a pool of 240: they contend for the same
-    # ports, and some fall back to the OS
-    pool = _free_run(240)
-    procs = _start_holders(registry, pool, count=3, n=60)
     try:
-        leased = [set(map(int, p.stdout.readline().split())) for p in procs]
-        assert [len(s) for s in leased] == [60] * 3
-        everything = set.union(*leased)
-        assert len(everything) == 180
-        assert sorted(int(f.split(".")[0]) for f in os.listdir(registry)) == sorted(everything)
-        # this process is refused every one of them while they are held
-        manager = PortManager(registry_dir=registry)
-        for port in sorted(everything)[::15]:
-            assert manager.allocate_port(preferred_port=port) != port
-        manager.release_all()
-
-        # a holder killed with SIGKILL cannot clean up, yet its leases are gone with it
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait(timeout=60)
-        assert procs[0].returncode == -signal.SIGKILL
-        assert len(os.listdir(registry)) == 180  # its lock files stay, but nobody holds them
-        killed, alive = sorted(leased[0]), sorted(leased[1] | leased[2])
-        manager = PortManager(registry_dir=registry)
-        assert [manager.allocate_port(preferred_port=port) for port in killed[::10]] == killed[::10]
-        for port in alive[::20]:
-            assert manager.allocate_port(preferred_port=port) != port
-        manager.release_all()
+        ports = [int(p.stdout.readline()) for p in procs]
     finally:
-        for p in procs[1:]:
-            p.communicate("\n", timeout=60)
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs[1:]] == [0, 0]
-    # the holders are gone, and so are their leases
-    manager = PortManager(registry_dir=registry)
-    for port in alive[::20]:
-        assert manager.allocate_port(preferred_port=port) == port
-    manager.release_all()
+            p.communicate(b"")
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(ports)) == 4, ports
+    # nothing was written to disk, not even into the temp dirs
+    assert not [path for path in tmp_path.rglob("*") if path.is_file()]
 
 
-@pytest.mark.skipif(not POSIX, reason="fork")
-def test_forked_child_does_not_inherit_or_drop_leases(registry, monkeypatch):
-    monkeypatch.setenv("LIGHTNING_PORT_REGISTRY_DIR", registry)
-    monkeypatch.setattr(pm, "_manager", None)
-    port = get_port_manager().allocate_port()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        ok = get_port_manager().allocated_ports == frozenset() and get_port_manager().allocate_port() != port
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    # the child closing its copy did not release the parent's lease
-    other = PortManager(registry_dir=registry)
-    assert other.allocate_port(preferred_port=port) != port
-    other.release_all()
-    get_port_manager().release_all()
+_SURVIVES_TMP_CLEANER = textwrap.dedent(
+    """
+    import os, shutil, tempfile, warnings
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    warnings.simplefilter("error")
+    first = LightningEnvironment()
+    first.main_port
+    shutil.rmtree(os.environ["TMPDIR"])  # a tmp cleaner, or a per-job TMPDIR that is gone
+    second = LightningEnvironment()
+    assert second.main_port != first.main_port
+    print("ok")
+    """
+)
 
 
-def test_find_free_network_port_leases(registry, monkeypatch):
-    monkeypatch.delenv("STANDALONE_PORT", raising=False)
-    monkeypatch.setattr(pm, "_manager", PortManager(registry_dir=registry))
-    port = find_free_network_port()
-    assert port in get_port_manager().allocated_ports
-    assert os.path.exists(os.path.join(registry, f"{port}.lock"))
-    get_port_manager().release_all()
+def test_picking_a_port_never_depends_on_the_temp_dir(tmp_path):
+    """A removed, full or read-only temp dir never costs the run its port, and no warning is given."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run([sys.executable, "-c", _SURVIVES_TMP_CLEANER], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
 
 
-def test_find_free_network_port_standalone(registry, monkeypatch):
-    monkeypatch.setattr(pm, "_manager", PortManager(registry_dir=registry))
-    monkeypatch.setenv("STANDALONE_PORT", "12345")
-    assert find_free_network_port() == 12345
-    assert find_free_network_port() == 12345
-    assert get_port_manager().reserved_ports == {12345}
-    assert get_port_manager().allocated_ports == frozenset()
-    monkeypatch.setenv("STANDALONE_PORT", "port")
-    with pytest.raises(ValueError, match="STANDALONE_PORT='port'"):
-        find_free_network_port()
+def test_never_returns_a_port_with_a_listener(monkeypatch, env):
+    """On Windows, a probe with ``SO_REUSEADDR`` passed a port that another socket listens on."""
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen(1)
+        busy = listener.getsockname()[1]
+        monkeypatch.setenv("LIGHTNING_PORT_POOL", f"{busy}-{busy}")  # the earlier version's pool setting
+        envs = [LightningEnvironment() for _ in range(20)]
+        assert busy not in {e.main_port for e in envs}
+        for e in envs:
+            e.teardown()
 
 
-def test_a_process_keeps_a_bounded_number_of_leases(tmp_path):
-    """Callers of `find_free_network_port` never release: the oldest lease goes, instead of one open file per call."""
-    registry = tmp_path / "registry"
-    manager = PortManager(registry_dir=str(registry), pool=range(0))
-    fds_before = len(os.listdir("/proc/self/fd"))
-    ports = [manager.allocate_port() for _ in range(200)]
-    assert len(set(ports)) == 200
-    assert manager.allocated_ports == frozenset(ports[-64:])
-    assert sorted(os.listdir(registry)) == sorted(f"{p}.lock" for p in ports[-64:])
-    assert len(os.listdir("/proc/self/fd")) <= fds_before + 64
-    manager.release_all()
-    assert os.listdir(registry) == []
+@linux_only
+def test_copies_in_other_processes_hold_nothing(env):
+    port = env.main_port
+    copy = pickle.loads(pickle.dumps(env))
+    assert copy.main_port == port
+    assert copy._port_reservation._socket is None
+    copy.teardown()
+    assert not _plain_bind_succeeds(port)  # the original still holds it
 
 
-def test_running_out_of_file_descriptors_is_not_reported_as_no_free_port(tmp_path):
-    code = f"""
-import errno, os, resource
-from lightning.fabric.utilities.port_manager import PortManager
-manager = PortManager(registry_dir={str(tmp_path / "registry")!r}, pool=range(0))
-hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 6, hard))
-try:
-    for _ in range(60):
-        manager.allocate_port()
-except OSError as err:
-    print("EMFILE" if err.errno == errno.EMFILE else f"other {{err}}")
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "EMFILE", proc.stdout + proc.stderr
+def test_falls_back_to_the_old_behaviour_with_one_warning(monkeypatch, env):
+    """If the kernel does not let the store bind next to the held socket, the socket is closed: one warning."""
+
+    def refuse(port):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(port_manager, "_bind_like_tcp_store", refuse)
+    monkeypatch.setattr(sys, "platform", "linux")
+    port_manager._warning_cache.clear()
+    with pytest.warns(UserWarning, match="could not keep the port it picked reserved") as record:
+        ports = [PortReservation().port for _ in range(3)]
+    assert len(record) == 1
+    assert all(_plain_bind_succeeds(port) for port in ports)
+
+
+@linux_only
+def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
+    monkeypatch.setattr(socket, "has_dualstack_ipv6", lambda: False)  # the store binds IPv4 there
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        port = env.main_port
+    assert not _plain_bind_succeeds(port)
+
+
+def test_other_platforms_pick_as_before(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reservation = PortReservation()
+    assert reservation._socket is None
+    assert _plain_bind_succeeds(reservation.port)
+
+
+@linux_only
+def test_mpi_rank_zero_holds_the_port(monkeypatch):
+    import lightning.fabric.plugins.environments.mpi as mpi
+
+    monkeypatch.setattr(mpi, "_MPI4PY_AVAILABLE", True)
+    for rank in (0, 1):
+        with mock.patch.dict("sys.modules", {"mpi4py": mock.MagicMock()}):
+            env = MPIEnvironment()
+        env._comm_world.Get_rank.return_value = rank
+        env._comm_world.bcast.side_effect = lambda value, root, rank=rank: value if rank == 0 else 12345
+        port = env.main_port
+        env._comm_world.bcast.assert_called_once()
+        if rank == 0:
+            assert env._port_reservation.port == port
+            assert not _plain_bind_succeeds(port)
+            _stores_bind(port)
+        else:
+            assert env._comm_world.bcast.call_args.args[0] is None
+            assert env._port_reservation is None
+            assert port == 12345
+
+
+_DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from lightning.fabric import Fabric
+
+    def run(fabric):
+        env = fabric.strategy.cluster_environment
+        total = fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum")
+        result = {"sum": total.item(), "port": env.main_port, "master_port": int(os.environ["MASTER_PORT"])}
+        with open(os.path.join(sys.argv[1], f"rank{fabric.global_rank}.json"), "w") as f:
+            json.dump(result, f)
+
+    if __name__ == "__main__":
+        fabric = Fabric(strategy=sys.argv[2], devices=2, accelerator="cpu")
+        fabric.launch(run)
+        if fabric.global_rank == 0:
+            reservation = fabric.strategy.cluster_environment._port_reservation
+            print("held", reservation is not None and reservation._socket is not None, flush=True)
+    """
+)
+
+
+@linux_only
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_ddp_runs_on_the_held_port(tmp_path, strategy):
+    """Two CPU processes (gloo): rank 0's store binds the port the launcher holds; spawned copies hold nothing."""
+    script = tmp_path / "train.py"
+    script.write_text(_DDP_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), strategy], env=env, capture_output=True, text=True, timeout=200
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+    assert results[0]["port"] == results[0]["master_port"] == results[1]["master_port"]
+    if strategy == "ddp":  # the launcher process is rank 0 and holds the port through the run
+        assert "held True" in result.stdout

@@ -11,6 +11,9 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
+"""The port-conflict rerun plugin, run the way suites use it: pytest in a subprocess, real sockets and TCPStore."""
+
+import json
 import os
 import re
 import socket
@@ -22,167 +25,203 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from lightning.fabric.utilities.testing.port_reruns import is_port_conflict
+from lightning.fabric.utilities.testing.port_reruns import _is_port_conflict
+
+_CONFTEST = textwrap.dedent(
+    """
+    import json, os
+    from lightning.fabric.utilities.testing import port_reruns
+
+    def pytest_configure(config):
+        port_reruns.register(config)
+
+    def pytest_runtest_logreport(report):
+        # what pytest-xdist sends to its controller: the report and its user properties
+        with open(os.path.join(os.environ["OUT"], "properties.jsonl"), "a") as f:
+            f.write(json.dumps([report.when, report.outcome, report.user_properties]) + "\\n")
+    """
+)
+
+_CONFLICT = textwrap.dedent(
+    """
+    import socket
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+
+    def store_on_busy_port():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            TCPStore("127.0.0.1", listener.getsockname()[1], 1, True, timeout=timedelta(seconds=5))
+    """
+)
 
 
-def _bind_conflict():
-    with socket.socket() as blocker:
-        blocker.bind(("", 0))
-        blocker.listen(1)
-        port = blocker.getsockname()[1]
+def _run(tmp_path, test_source, *args, env=None, conftest=_CONFTEST):
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "conflict.py").write_text(_CONFLICT)
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent(test_source))
+    run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PL_PORT_CONFLICT_RERUNS")}
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    run_env.update(OUT=str(tmp_path), PYTHONPATH=python_path, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, str(tmp_path)],
+        cwd=tmp_path,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _outcome(result):
+    summary = result.stdout.strip().splitlines()[-1]
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|rerun)", summary)}
+
+
+_FAIL_ONCE = """
+    import os
+    from conflict import store_on_busy_port
+
+    def test_flaky():
+        attempts = os.path.join(os.environ["OUT"], "attempts")
+        with open(attempts, "a") as f:
+            f.write("x")
+        n = len(open(attempts).read())
+        if n == 1:
+            raise ConnectionResetError("the peer went away")
+        if n == 2:
+            store_on_busy_port()
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        # the suite reruns everything twice: a connection reset and then a port conflict are both rerun
+        (["--reruns", "2"], {"passed": 1, "rerun": 2}),
+        # the suite reruns connection resets only: its pattern is kept, port conflicts are added
+        (["--reruns", "1", "--only-rerun", "ConnectionResetError"], {"passed": 1, "rerun": 2}),
+        # no rerun settings of its own: only the port conflict would be rerun, the reset fails the test
+        ([], {"failed": 1}),
+    ],
+)
+def test_suite_rerun_settings_are_merged_not_overridden(tmp_path, args, expected):
+    result = _run(tmp_path, _FAIL_ONCE, *args)
+    assert _outcome(result) == expected, result.stdout[-3000:]
+
+
+_END_TO_END = """
+    import os, subprocess, sys
+    from conflict import store_on_busy_port
+
+    def test_store_on_taken_port():
+        out = os.environ["OUT"]
+        first = not os.path.exists(os.path.join(out, "pids"))
+        if first:
+            sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+            launcher_child = subprocess.Popen(sleep, env={**os.environ, "LOCAL_RANK": "1"})
+            helper = subprocess.Popen(sleep)  # started by the test too, but not a launcher child
+            with open(os.path.join(out, "pids"), "w") as f:
+                f.write(f"{launcher_child.pid} {helper.pid}")
+            os.environ["MASTER_PORT"] = "1"
+            store_on_busy_port()
+        assert "MASTER_PORT" not in os.environ  # put back as it was before the failed attempt
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(sys.platform != "linux", reason="launcher children are found through /proc")
+def test_port_conflict_is_rerun_after_cleaning_up_the_failed_attempt(tmp_path):
+    result = _run(tmp_path, _END_TO_END)
+    launcher_child, helper = (int(pid) for pid in (tmp_path / "pids").read_text().split())
+    try:
+        assert _outcome(result) == {"passed": 1, "rerun": 1}, result.stdout[-3000:]
+        assert not _alive(launcher_child)
+        assert _alive(helper)
+    finally:
+        os.kill(helper, 9)
+    assert "port conflicts" in result.stdout
+    assert "test_inner.py::test_store_on_taken_port: EADDRINUSE" in result.stdout
+    reports = [json.loads(line) for line in (tmp_path / "properties.jsonl").read_text().splitlines()]
+    call_reports = [(outcome, props) for when, outcome, props in reports if when == "call"]
+    assert call_reports == [("rerun", [["port_conflict", "test_inner.py::test_store_on_taken_port"]]), ("passed", [])]
+
+
+_ALWAYS_CONFLICT = """
+    from conflict import store_on_busy_port
+
+    def test_conflict():
+        store_on_busy_port()
+"""
+
+
+@pytest.mark.parametrize(("reruns", "expected"), [("0", {"failed": 1}), ("1", {"failed": 1, "rerun": 1})])
+def test_number_of_reruns_from_the_environment_when_registered_from_a_conftest(tmp_path, reruns, expected):
+    result = _run(tmp_path, _ALWAYS_CONFLICT, env={"PL_PORT_CONFLICT_RERUNS": reruns})
+    assert _outcome(result) == expected, result.stdout[-3000:]
+
+
+def test_invalid_number_of_reruns_is_a_usage_error(tmp_path):
+    result = _run(tmp_path, _ALWAYS_CONFLICT, env={"PL_PORT_CONFLICT_RERUNS": "\uff12"})
+    assert result.returncode == 4
+    assert "PL_PORT_CONFLICT_RERUNS='\uff12'" in result.stderr
+
+
+_TOO_OLD = _CONFTEST.replace(
+    "def pytest_configure(config):", "def pytest_configure(config):\n    _pretend_too_old()", 1
+) + textwrap.dedent(
+    """
+        def _pretend_too_old():
+            from lightning_utilities.core.imports import RequirementCache
+            port_reruns._RERUNFAILURES_12 = RequirementCache("pytest-rerunfailures>=999")
+        """
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "conftest"), [(["-p", "no:rerunfailures"], _CONFTEST), ([], _TOO_OLD)], ids=["disabled", "too-old"]
+)
+def test_warns_and_marks_nothing_without_a_usable_pytest_rerunfailures(tmp_path, args, conftest):
+    """Below 12, the ``flaky`` marker has no ``only_rerun``: marking would rerun every failure."""
+    result = _run(tmp_path, _FAIL_ONCE, *args, conftest=conftest)
+    assert "cannot rerun tests that hit a port conflict: it needs pytest-rerunfailures>=12" in result.stdout
+    assert _outcome(result) == {"failed": 1}, result.stdout[-3000:]
+
+
+def _store_error():
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen(1)
         try:
-            TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=5))
+            TCPStore("127.0.0.1", listener.getsockname()[1], 1, True, timeout=timedelta(seconds=5))
         except RuntimeError as ex:
             return ex
     raise AssertionError("the store bound a port that has a live listener")
 
 
-def test_is_port_conflict_on_real_errors():
-    store_error = _bind_conflict()
-    assert is_port_conflict(store_error)
+def test_recognizes_real_port_conflicts_only():
+    store_error = _store_error()
+    assert _is_port_conflict(store_error)
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", 0))
         a.listen(1)
-        with pytest.raises(OSError, match="in use") as os_error:
+        with pytest.raises(OSError, match="in use") as bind_error:
             b.bind(("127.0.0.1", a.getsockname()[1]))
-    assert is_port_conflict(os_error.value)
-    # found through `raise ... from ...` and through implicit chaining
-    implicit = ValueError("launcher failed")
-    implicit.__context__ = store_error
-    assert is_port_conflict(implicit)
-    assert not is_port_conflict(RuntimeError("something else"))
-    # an assertion that quotes such an error is a test failure, not a conflict
-    assert not is_port_conflict(AssertionError(f"unexpected: {store_error}"))
-    wrapped = RuntimeError("wrapped")
+    assert _is_port_conflict(bind_error.value)
+    wrapped = RuntimeError("launch failed")
     wrapped.__cause__ = store_error
-    assert is_port_conflict(wrapped)
-    # suppressed context is not followed
+    assert _is_port_conflict(wrapped)
+    assert not _is_port_conflict(RuntimeError("rendezvous timed out"))
+    assert not _is_port_conflict(AssertionError(f"unexpected: {store_error}"))
     suppressed = RuntimeError("other")
-    suppressed.__context__ = store_error
-    suppressed.__suppress_context__ = True
-    assert not is_port_conflict(suppressed)
-
-
-def test_timeout_is_not_a_port_conflict():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # bound, never listening: connections are refused until the timeout
-        with pytest.raises((RuntimeError, TimeoutError)) as timeout:  # torch 2.1 raises the built-in TimeoutError
-            TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=1))
-    assert not is_port_conflict(timeout.value)
-
-
-_INNER_TESTS = textwrap.dedent(
-    """
-    import os
-    import socket
-    import subprocess
-    import sys
-    from datetime import timedelta
-
-    import torch.distributed
-    from torch.distributed import TCPStore
-
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
-    STATE = os.environ["RERUN_STATE"]
-
-
-    def attempt(name):
-        path = os.path.join(STATE, name)
-        n = int(open(path).read()) + 1 if os.path.exists(path) else 1
-        open(path, "w").write(str(n))
-        return n
-
-
-    def write(name, value):
-        open(os.path.join(STATE, name), "w").write(str(value))
-
-
-    def start_store_on_taken_port(port):
-        with socket.socket() as blocker:  # another process took the port between pick and bind
-            blocker.bind(("", port))
-            blocker.listen(1)
-            try:
-                TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=5))
-            except RuntimeError as ex:
-                raise RuntimeError("rank 0 could not start the store") from ex
-
-
-    def test_conflict_once():
-        n = attempt("conflict_once")
-        write(f"master_port_at_start_{n}", os.environ.get("MASTER_PORT"))
-        write(f"initialized_at_start_{n}", torch.distributed.is_initialized())
-        port = LightningEnvironment().main_port
-        os.environ["MASTER_PORT"] = str(port)
-        write(f"port_{n}", port)
-        if n == 1:
-            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-            write("child", child.pid)
-            start_store_on_taken_port(port)
-        TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=5))
-
-
-    def test_conflict_always():
-        attempt("conflict_always")
-        start_store_on_taken_port(LightningEnvironment().main_port)
-
-
-    def test_other_failure():
-        attempt("other_failure")
-        assert 1 == 2, "not a port problem"
-
-
-    def test_timeout():
-        attempt("timeout")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            TCPStore("127.0.0.1", s.getsockname()[1], 2, False, timeout=timedelta(seconds=1))
-    """
-)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to find leftover children")
-def test_port_conflicts_are_rerun_end_to_end(tmp_path):
-    suite, state = tmp_path / "suite", tmp_path / "state"
-    suite.mkdir()
-    state.mkdir()
-    (suite / "conftest.py").write_text('pytest_plugins = ["lightning.fabric.utilities.testing.port_reruns"]\n')
-    (suite / "test_inner.py").write_text(_INNER_TESTS)
-    env = dict(os.environ, RERUN_STATE=str(state), LIGHTNING_PORT_REGISTRY_DIR=str(tmp_path / "registry"))
-    env.pop("MASTER_PORT", None)
-    env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rAR", "-q", str(suite)],
-        cwd=suite,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-
-    def read(name):
-        return (state / name).read_text()
-
-    # reruns happened only for port conflicts, up to the default bound of 2
-    assert read("conflict_once") == "2"
-    assert read("conflict_always") == "3"
-    assert read("other_failure") == "1"
-    assert read("timeout") == "1"
-    assert re.search(r"3 failed, 1 passed, 3 rerun", out), out
-    assert re.search(r"^RERUN .*test_conflict_once", out, re.MULTILINE), out
-    assert re.search(r"^PASSED .*test_conflict_once", out, re.MULTILINE), out
-    assert re.search(r"^FAILED .*test_other_failure", out, re.MULTILINE), out
-    assert "port conflicts" in out
-    assert re.search(rf"test_conflict_once: EADDRINUSE on port {read('port_1')}", out), out
-    # before the rerun: MASTER_PORT cleared, process group destroyed, the attempt's child gone, a fresh port
-    assert read("master_port_at_start_2") == "None"
-    assert read("initialized_at_start_1") == read("initialized_at_start_2") == "False"
-    assert read("port_2") != read("port_1")
-    child = int(read("child"))
-    with pytest.raises(ProcessLookupError):
-        os.kill(child, 0)
+    suppressed.__context__, suppressed.__suppress_context__ = store_error, True
+    assert not _is_port_conflict(suppressed)
