@@ -73,11 +73,13 @@ def checkpoint_case() -> dict[str, Any]:
 
 
 def _picker(barrier: Any, results: Any) -> None:
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+    from lightning.fabric.plugins.environments import LightningEnvironment
 
+    os.environ.pop("MASTER_PORT", None)
     barrier.wait()  # all pickers start together
-    results.put([find_free_network_port() for _ in range(PICKS)])
-    barrier.wait()  # and hold their ports until all have picked, as launchers do until they bind
+    envs = [LightningEnvironment() for _ in range(PICKS)]  # each run's launcher picks its rendezvous port
+    results.put([env.main_port for env in envs])
+    barrier.wait()  # and the runs keep their ports until all have picked, as launchers do until the store binds
 
 
 def port_race() -> dict[str, Any]:
@@ -85,7 +87,7 @@ def port_race() -> dict[str, Any]:
     import multiprocessing
 
     import lightning
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: F401  (import once)
+    from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: F401  (import once, before fork)
 
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")  # fork: no re-import of torch
     barrier, results = ctx.Barrier(PICKERS), ctx.Queue()
@@ -168,14 +170,15 @@ def main() -> None:
         )
     assert abs(fork["file"] - fork["score"]) < 1e-6, "the fork's best file holds weights other than the scored ones"
 
-    print(f"\n0002 fabric: {PICKERS} processes call find_free_network_port() {PICKS} times each, at the same moment")
+    print(f"\n0002 fabric: {PICKERS} processes pick a rendezvous port (LightningEnvironment().main_port) {PICKS} times")
     for side, env in [*([("stock", stock)] if stock else []), ("fork", None)]:
         race = run("--port-race", env)
         print(
             f"     {side:5} {race['version']:17} {race['twice']} of {race['picks']} ports handed out twice while held"
             + (": whichever binds second fails with EADDRINUSE" if race["twice"] else "")
         )
-    assert race["twice"] == 0, "the fork handed one port to two processes"
+    # on macOS and Windows the fork picks as stock does (docs/source-fabric/advanced/ports.rst)
+    assert race["twice"] == 0 or sys.platform != "linux", "the fork handed one port to two processes"
 
 
 if __name__ == "__main__":

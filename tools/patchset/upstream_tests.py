@@ -1,10 +1,11 @@
 """Run upstream's own tests on a patch's PR branch and on its base, and record the outcome in the docs.
 
 The PR branch is made with ``upstream-pr`` in an upstream checkout. The checkout is installed as upstream's CI
-installs it (CPU torch, then the package with its ``<pkg>-test`` extra, which reads ``requirements/<pkg>/test.txt``
-as pinned there), editable, so that the same environment tests the branch and the base. The patch's tests run on the
-branch, then on the base without the patch; a failure on the branch that the base does not share is caused by the
-patch. Tests that upstream marks standalone run one per process, as upstream's CI runs them, with gloo on the CPU.
+installs it (CPU torch, then the package with the extras CI uses, which read ``requirements/<pkg>/*.txt`` as pinned
+there; not ``strategies``, whose DeepSpeed and bitsandbytes need CUDA), editable, so that the same environment tests
+the branch and the base. The patch's tests run on the branch, then on the base without the patch; a failure on the
+branch that the base does not share is caused by the patch. Tests that upstream marks standalone run one per
+process, as upstream's CI runs them, with gloo on the CPU.
 
 The record goes into :data:`PAGE`, one section per patch, naming the upstream commit and the patch's blob hash, so
 that CI (which cannot reach upstream) can tell whether the page describes the patches as they are.
@@ -42,6 +43,8 @@ SELECTIONS = {
         "tests/tests_pytorch/trainer/optimization",
     ],
 }
+# The extras upstream's CI installs, less `strategies` (DeepSpeed and bitsandbytes: CUDA only, their tests skip here).
+EXTRAS = {"fabric": ["fabric-test"], "pytorch": ["pytorch-extra", "pytorch-test"]}
 _TIMEOUT = 300  # per test, as pytest-timeout (upstream's CI uses 60 s on faster machines)
 _BEGIN = "<!-- upstream-tests: {} -->"
 _END = "<!-- /upstream-tests -->"
@@ -109,7 +112,7 @@ class Record:
             "|---|---|",
             f"| patch blob | `{self.blob}` |",
             f"| upstream commit | `{self.upstream}` ({self.base}: {self.upstream_subject}) |",
-            f"| installed as | `{self.package}` with torch {self.torch} (CPU), `{self.package}-test` extra, Python"
+            f"| installed as | `lightning[{','.join(EXTRAS[self.package])}]` with torch {self.torch} (CPU), Python"
             f" {sys.version_info.major}.{sys.version_info.minor} |",
             f"| selection | {', '.join(f'`{s}`' for s in self.selection)}, their standalone tests one per process |",
             f"| on the PR branch | {b['passed']} passed, {b['failed']} failed, {b['skipped']} skipped |",
@@ -185,7 +188,8 @@ def _reason(element: ET.Element) -> str:
 def environment(onto: Path, package: str, torch: str) -> Path:
     """A venv (cached per checkout, torch and requirements) with the checkout installed editable, as CI installs it."""
     reqs = sorted((onto / "requirements").rglob("*.txt"))
-    key = hashlib.sha256(str(onto).encode() + torch.encode() + b"".join(p.read_bytes() for p in reqs))
+    extras = ",".join(EXTRAS[package])
+    key = hashlib.sha256(str(onto).encode() + torch.encode() + extras.encode() + b"".join(p.read_bytes() for p in reqs))
     venv = cache_dir() / "upstream-venvs" / f"{package}-{key.hexdigest()[:16]}"
     python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     if (venv / ".complete").is_file():
@@ -195,7 +199,7 @@ def environment(onto: Path, package: str, torch: str) -> Path:
     for step in (
         ["install", "-q", "--upgrade", "pip"],
         ["install", "-q", f"torch=={torch}"],
-        ["install", "-q", "-e", f"{onto}[{package}-test]"],
+        ["install", "-q", "-e", f"{onto}[{extras}]"],
     ):
         proc = subprocess.run([str(python), "-m", "pip", *step], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
