@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,8 +125,17 @@ class Record:
         if self.failures:
             lines += ["| failing test | cause | reason |", "|---|---|---|"]
             for outcome, caused in sorted(self.failures, key=lambda f: f[0].nodeid):
-                cause = "**the patch**" if caused else "pre-existing (fails on the base too)"
-                lines.append(f"| `{outcome.nodeid}` | {cause} | {_cell(outcome.reason)} |")
+                if caused:
+                    lines.append(f"| `{outcome.nodeid}` | **the patch** | {_cell(outcome.reason)} |")
+            # pre-existing failures that share a reason (a missing download, say) take one row
+            groups: dict[str, list[Outcome]] = {}
+            for outcome, caused in self.failures:
+                if not caused:
+                    groups.setdefault(_cell(outcome.reason)[:60], []).append(outcome)
+            for _, outcomes in sorted(groups.items()):
+                first = min(o.nodeid for o in outcomes)
+                what = f"`{first}`" + (f" and {len(outcomes) - 1} more" if len(outcomes) > 1 else "")
+                lines.append(f"| {what} | pre-existing (fails on the base too) | {_cell(outcomes[0].reason)} |")
             lines.append("")
         lines.append(_END)
         return "\n".join(lines)
@@ -208,6 +218,12 @@ def environment(onto: Path, package: str, torch: str) -> Path:
     return python
 
 
+def _default_signals() -> None:
+    """Tests of signal handling expect the defaults, which ``nohup`` or a CI runner may have changed."""
+    for name in ("SIGHUP", "SIGINT", "SIGTERM", "SIGUSR1"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def run_selection(python: Path, onto: Path, selection: list[str], report: Path) -> dict[str, Outcome]:
     """Run the selection, then its standalone tests one per process; outcomes by node id."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "PYTEST_", "COV_"))}
@@ -215,7 +231,12 @@ def run_selection(python: Path, onto: Path, selection: list[str], report: Path) 
     common = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--timeout={_TIMEOUT}"]
     common += ["-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
     proc = subprocess.run(
-        [str(python), *common, f"--junitxml={report}", *selection], cwd=onto, env=env, stderr=subprocess.PIPE, text=True
+        [str(python), *common, f"--junitxml={report}", *selection],
+        cwd=onto,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_signals if os.name == "posix" else None,
     )
     results = parse_junit(report)
     if proc.returncode not in (0, 1) or not results:
@@ -234,7 +255,10 @@ def run_selection(python: Path, onto: Path, selection: list[str], report: Path) 
     for i, nodeid in enumerate(line.strip() for line in listed.splitlines() if "::" in line):
         single = report.with_name(f"{report.stem}-standalone-{i}.xml")
         code = subprocess.run(
-            [str(python), *common, f"--junitxml={single}", nodeid], cwd=onto, env=standalone
+            [str(python), *common, f"--junitxml={single}", nodeid],
+            cwd=onto,
+            env=standalone,
+            preexec_fn=_default_signals if os.name == "posix" else None,
         ).returncode
         found = parse_junit(single)
         if nodeid not in found and code != 0:  # it died before pytest could report it
