@@ -135,7 +135,7 @@ def test_training_step_score_pairs_with_the_weights_before_the_step(tmp_path, ma
     if not manual and log_in == "after_step":
         pytest.skip("automatic optimization has no 'after the step' inside training_step")
     model = Net(manual=manual, log_in=log_in)
-    trainer, ckpt = fit(tmp_path, model, save_last=True)
+    _trainer, ckpt = fit(tmp_path, model, save_last=True)
     assert_pairs(ckpt, marked=True)
     for path in ckpt.best_k_models:
         checkpoint = load(path)
@@ -245,7 +245,7 @@ class Frozen(Net):
         return nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, _y = batch
         self.norm(x)  # updates the running statistics in the forward, before the step
         return super().training_step(batch, batch_idx)
 
@@ -464,7 +464,7 @@ def test_pre_step_files_are_written_through_trainer_save_checkpoint(tmp_path):
 
 def test_save_last_link_never_points_to_a_pre_step_file(tmp_path):
     model = Net()
-    _, ckpt = fit(tmp_path, model, save_top_k=-1, save_last="link")
+    _, _ckpt = fit(tmp_path, model, save_top_k=-1, save_last="link")
     last = tmp_path / "last.ckpt"
     assert not last.is_symlink()
     checkpoint = load(last)
@@ -481,8 +481,8 @@ def test_core_modules_do_not_import_the_private_callback_module():
 
 def test_state_lives_with_each_checkpoint(tmp_path):
     # two trainers fitting in turn: each checkpoint's hooks are its own and gone after its fit
-    first, ckpt_a = fit(tmp_path / "a", Net(), save_top_k=-1)
-    second, ckpt_b = fit(tmp_path / "b", Net(log_in="batch_end"), save_top_k=-1)
+    _first, ckpt_a = fit(tmp_path / "a", Net(), save_top_k=-1)
+    _second, ckpt_b = fit(tmp_path / "b", Net(log_in="batch_end"), save_top_k=-1)
     assert_pairs(ckpt_a, marked=True)
     assert_pairs(ckpt_b, marked=True)
     assert ckpt_a._pre_step is None
@@ -511,7 +511,9 @@ def test_weight_averaging_falls_back_to_the_live_weights_with_one_warning(tmp_pa
 
     model = Net(manual=False)
     with recorded_warnings() as caught:
-        _, ckpt = fit(tmp_path, model, callbacks=[StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1)], save_top_k=-1)
+        _, ckpt = fit(
+            tmp_path, model, callbacks=[StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1)], save_top_k=-1
+        )
     assert len(messages(caught, "as if the option were off")) == 1
     assert ckpt._pre_step is None
     for path in ckpt.best_k_models:
