@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import model_checkpoint as model_checkpoint_module
 
 PROBE_X = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
 PROBE_Y = PROBE_X.sum(dim=1, keepdim=True)
@@ -64,6 +65,7 @@ def fit(tmp_path, model, ckpt, **trainer_kwargs):
     kwargs = {"max_epochs": 3, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
     kwargs.update(trainer_kwargs)
     trainer = Trainer(default_root_dir=tmp_path, callbacks=[ckpt], num_sanity_val_steps=0, **kwargs)
+    model_checkpoint_module.warning_cache.clear()  # it warns once per process
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)

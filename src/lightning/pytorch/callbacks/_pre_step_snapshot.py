@@ -88,6 +88,7 @@ class _PreStepCapture:
         self._logged_last_batch = False
         self._logged_in_last_batch_of_epoch = False  # noted before the epoch's results are reset
         self._kind: Optional[str] = None  # how the score paired at the end of the previous batch
+        self._module_param_set: Optional[set[Tensor]] = None
         self._reset_batch(trainer)
 
     @classmethod
@@ -118,7 +119,6 @@ class _PreStepCapture:
     def _reset_batch(self, trainer: "pl.Trainer") -> None:
         self._armed = False
         self._stepped = False  # an optimizer stepped trainable parameters of the module in this batch
-        self._module_param_set: Optional[set[Tensor]] = None
         self._params: dict[Tensor, Tensor] = {}  # parameter -> its value before the batch's steps
         self._optimizer_states: dict[Optimizer, dict[Tensor, Optional[dict[str, Any]]]] = {}
         self._lr_schedulers: Optional[list[dict[str, Any]]] = None
@@ -144,11 +144,14 @@ class _PreStepCapture:
                 handle.remove()
             self._handles = [optimizer.register_step_pre_hook(self._on_step) for optimizer in optimizers]
             self._hooked = optimizers
+            self._module_param_set = None
         if self._kind in (_LIVE, _EPOCH) or (
             metric is None and self._checkpoint.monitor in trainer._logger_connector._callback_metrics
         ):
             return  # the score does not pair with the pre-step weights: a validation score, say
         self._armed = self._save_may_trigger(trainer)
+        if self._armed:
+            self._module_param_set = None  # read again: parameters may have been added to the module
 
     def end_epoch(self, trainer: "pl.Trainer") -> None:
         """Notes whether the monitored value was logged in the epoch's last batch, before the results are reset."""
