@@ -1,62 +1,33 @@
-"""A short tour of what the installed fork fixes.
+"""What the installed fork fixes, next to stock Lightning of the same release in the same situation.
 
-Run it after `pip install .`; it exits non-zero if a fix is missing.
+Run it after `pip install .`; it exits non-zero if a fix is missing. Stock `lightning` (the release the fork is
+pinned to, unpatched, from your index) is installed once without dependencies into the patch set's cache and runs
+with this interpreter, so both sides use the same torch. Without an index, only the fork's side is shown.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
-import lightning
-
-
-def main() -> None:
-    """Show each fix at work."""
-    print(f"lightning {lightning.__version__} from {lightning.__file__}")
-    assert "+patchset." in lightning.__version__, "this is not the patch set's fork"
-
-    requires = importlib.metadata.requires("lightning") or []
-    assert not any(r.startswith("pytorch-lightning") for r in requires)
-    print("0001 build: the fork does not pull the unpatched pytorch-lightning distribution")
-    if importlib.util.find_spec("pytorch_lightning") is not None:
-        print("     note: a separately installed pytorch_lightning is unpatched; import lightning.pytorch instead")
+PICKERS, PICKS = 6, 60  # processes picking ports at once, ports each (each picker holds all of its picks)
 
 
-def ports() -> None:
-    """0002: a port handed out in one process is never handed out in another while it is leased."""
-    import os
-    import subprocess
-    import sys
-
-    from lightning.fabric.plugins.environments import LightningEnvironment
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-    from lightning.fabric.utilities.port_manager import get_port_manager
-
-    mine = find_free_network_port()
-    child = "from lightning.fabric.plugins.environments.lightning import find_free_network_port as f; print(f())"
-    theirs = [int(subprocess.check_output([sys.executable, "-c", child])) for _ in range(5)]
-    assert mine not in theirs, (mine, theirs)
-    print(f"0002 fabric: port {mine} is leased here; 5 other processes got {theirs}")
-    get_port_manager().release_port(mine)
-    os.environ["MASTER_PORT"] = "70000"
-    try:
-        _ = LightningEnvironment().main_port
-    except ValueError as err:
-        print(f"     a bad MASTER_PORT is a clear error: {err}")
-    else:
-        raise AssertionError("a bad MASTER_PORT was accepted")
-    finally:
-        del os.environ["MASTER_PORT"]
-
-
-def checkpoints() -> None:
-    """0003: under manual optimization, the best checkpoint holds the weights that produced its score."""
+def checkpoint_case() -> dict[str, Any]:
+    """Manual optimization, `every_n_train_steps=1`, `save_top_k=1`: what is in the best file, and its loss."""
     import tempfile
     import warnings
 
     import torch
 
+    import lightning
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -65,13 +36,11 @@ def checkpoints() -> None:
             super().__init__()
             self.automatic_optimization = False
             self.layer = torch.nn.Linear(4, 1)
-            self.seen: dict[int, torch.Tensor] = {}
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
             opt = self.optimizers()
             loss = self.layer(batch).pow(2).mean()
-            self.seen[self.global_step] = self.layer.weight.detach().clone()  # the weights that make this loss
-            self.log("loss", loss)
+            self.log("loss", loss)  # the score of the weights as they are before this step
             opt.zero_grad()
             self.manual_backward(loss)
             opt.step()
@@ -80,30 +49,138 @@ def checkpoints() -> None:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
     torch.manual_seed(0)
-    data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+    data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1)
-        model = Model()
-        Trainer(
+        trainer = Trainer(
             max_steps=4,
             callbacks=[best],
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            enable_checkpointing=True,
             accelerator="cpu",
-        ).fit(model, data)
+        )
+        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=2))
         saved = torch.load(best.best_model_path, weights_only=False)
-    step = saved["global_step"]
-    weights = saved["state_dict"]["layer.weight"]
-    assert torch.equal(weights, model.seen[step - 1]), "the best checkpoint holds post-step weights"
-    print(
-        f"0003 pytorch: best checkpoint (step {step}, loss {float(best.best_model_score):.4f}) holds the weights"
-        " that produced that loss"
+    batch = saved["global_step"] - 1  # one optimizer step per batch: the step the file was written after
+    probe = Model()
+    probe.load_state_dict(saved["state_dict"])
+    with torch.no_grad():
+        file_loss = float(probe.layer(data[2 * batch : 2 * batch + 2]).pow(2).mean())
+    return {"version": lightning.__version__, "batch": batch, "score": float(best.best_model_score), "file": file_loss}
+
+
+def _picker(barrier: Any, results: Any) -> None:
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    barrier.wait()  # all pickers start together
+    results.put([find_free_network_port() for _ in range(PICKS)])
+    barrier.wait()  # and hold their ports until all have picked, as launchers do until they bind
+
+
+def port_race() -> dict[str, Any]:
+    """PICKERS processes pick PICKS ports each at the same moment; count the ports handed out twice."""
+    import multiprocessing
+
+    import lightning
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: F401  (import once)
+
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")  # fork: no re-import of torch
+    barrier, results = ctx.Barrier(PICKERS), ctx.Queue()
+    procs = [ctx.Process(target=_picker, args=(barrier, results)) for _ in range(PICKERS)]
+    for proc in procs:
+        proc.start()
+    picks = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join()
+    counts = collections.Counter(port for ports in picks for port in ports)
+    return {
+        "version": lightning.__version__,
+        "twice": sum(1 for n in counts.values() if n > 1),
+        "picks": len(picks) * PICKS,
+    }
+
+
+def stock_env(version: str) -> dict[str, str] | None:
+    """An environment whose `import lightning` is stock `lightning==version` (installed once into the cache).
+
+    `pip install --target` plus `PYTHONPATH` (about 2 s, once) rather than a venv: `--system-site-packages` of a venv
+    made from inside another venv would see the base interpreter's packages, not this environment's torch.
+    """
+    base = os.environ.get("LIGHTNING_PATCHSET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lightning-patchset"
     )
+    target = Path(base) / "stock" / f"lightning-{version}"
+    if not (target / "lightning").is_dir():
+        partial = target.with_name(target.name + f".part-{os.getpid()}")
+        started = time.perf_counter()
+        # `===`: exactly the release, never the fork's `2.6.6+patchset.1` that `==2.6.6` would also match
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary", ":all:"]
+        proc = subprocess.run(
+            [*cmd, "--target", str(partial), f"lightning==={version}"], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"stock lightning {version} is not available ({reason}); showing the fork only")
+            return None
+        os.replace(partial, target)
+        print(f"installed stock lightning {version} into {target} in {time.perf_counter() - started:.1f}s (once)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run(part: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one case in a new process (``env``: stock's), and return what it found."""
+    cmd = [sys.executable, os.path.abspath(__file__), part]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{part} failed:\n{proc.stderr[-2000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    """Each fix at work, next to stock."""
+    import importlib.metadata
+
+    import lightning
+
+    print(f"fork: lightning {lightning.__version__} from {lightning.__file__}")
+    assert "+patchset." in lightning.__version__, "this is not the patch set's fork"
+    requires = importlib.metadata.requires("lightning") or []
+    assert not any(r.startswith("pytorch-lightning") for r in requires)
+    print("0001 build: the fork does not pull the unpatched pytorch-lightning distribution\n")
+    stock = stock_env(lightning.__version__.split("+")[0])
+
+    print("0003 pytorch: manual optimization, ModelCheckpoint(monitor='loss', every_n_train_steps=1, save_top_k=1)")
+    print("     the best score was logged at one batch; the loss there of the weights in the best file:")
+    fork = run("--checkpoint-case")
+    rows = [("stock", run("--checkpoint-case", stock))] if stock else []
+    for side, row in [*rows, ("fork", fork)]:
+        same = abs(row["file"] - row["score"]) < 1e-6
+        print(
+            f"     {side:5} {row['version']:17} best_model_score {row['score']:.4f} (batch {row['batch']});"
+            f" the file's weights give {row['file']:.4f}: "
+            + ("the weights that were scored" if same else "other weights (stock saves after the step)")
+        )
+    assert abs(fork["file"] - fork["score"]) < 1e-6, "the fork's best file holds weights other than the scored ones"
+
+    print(f"\n0002 fabric: {PICKERS} processes call find_free_network_port() {PICKS} times each, at the same moment")
+    for side, env in [*([("stock", stock)] if stock else []), ("fork", None)]:
+        race = run("--port-race", env)
+        print(
+            f"     {side:5} {race['version']:17} {race['twice']} of {race['picks']} ports handed out twice while held"
+            + (": whichever binds second fails with EADDRINUSE" if race["twice"] else "")
+        )
+    assert race["twice"] == 0, "the fork handed one port to two processes"
 
 
 if __name__ == "__main__":
-    main()
-    ports()
-    checkpoints()
+    cases = {"--checkpoint-case": checkpoint_case, "--port-race": port_race}
+    if sys.argv[1:2] and sys.argv[1] in cases:
+        print(json.dumps(cases[sys.argv[1]]()))
+    else:
+        main()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from patchset_helpers import REPO, copy_project
 
-from patchset.pin import fetch_sdist, read_pin
+from patchset.pin import CACHE_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
 
 
 @pytest.fixture(autouse=True)
@@ -21,9 +22,28 @@ def git_identity(monkeypatch):
         monkeypatch.setenv(f"GIT_{role}_EMAIL", "tests@patchset.invalid")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def patchset_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A cache of the tests' own: they write fake sdists and trees there, never into the user's cache.
+
+    It starts with the pinned sdist, copied (not linked: a test must never be able to change the user's file) from the
+    user's cache when that holds a verified copy, otherwise downloaded once for the whole session.
+    """
+    pin = read_pin(REPO)
+    users = cache_dir() / "sdist" / pin.sha256 / pin.sdist
+    ours = tmp_path_factory.mktemp("patchset-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(ours))
+        if users.is_file() and file_sha256(users) == pin.sha256:
+            seeded = ours / "sdist" / pin.sha256 / pin.sdist
+            seeded.parent.mkdir(parents=True)
+            shutil.copyfile(users, seeded)
+        yield ours
+
+
 @pytest.fixture(scope="session")
-def upstream_sdist() -> Path:
-    """The real pinned sdist (downloaded once into the cache)."""
+def upstream_sdist(patchset_cache: Path) -> Path:
+    """The real pinned sdist, in the tests' own cache (downloaded at most once per session)."""
     return fetch_sdist(read_pin(REPO))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ensurepip
 import os
 import subprocess
 import sys
@@ -25,9 +26,43 @@ def demo_project(project: Path) -> Path:
     return project
 
 
-def _venv(path: Path) -> Path:
-    """A fresh venv with its own site-packages that also sees, after its own, this environment's (torch, setuptools)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+@pytest.fixture(scope="session")
+def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The newest pip wheel the index has (downloaded once per session)."""
+    dest = tmp_path_factory.mktemp("newest-pip")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest), "pip"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(dest.glob("pip-*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        pytest.skip(f"no pip wheel from the index: {proc.stderr.strip()[-300:]}")
+    return wheels[0]
+
+
+@pytest.fixture(params=["bundled", "newest"])
+def pip_in_venv(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A fresh venv with a pip of its own: the one `python -m venv` bundles (23.2 with Python 3.11), or the newest.
+
+    Returns the venv's interpreter; :func:`_pip` runs that venv's own pip.
+    """
+    if request.param == "bundled":
+        python = _venv(tmp_path / "venv", with_pip=True)
+        expected = ensurepip.version()
+    else:
+        wheel = request.getfixturevalue("newest_pip")
+        python = _venv(tmp_path / "venv")
+        proc = _pip(python, "install", "--no-deps", str(wheel))
+        assert proc.returncode == 0, proc.stderr
+        expected = wheel.name.split("-")[1]
+    assert _import(python, "import pip; print(pip.__version__)") == expected
+    return python
+
+
+def _venv(path: Path, with_pip: bool = False) -> Path:
+    """A fresh venv with its own site-packages that also sees, after its own, this environment's (torch, setuptools).
+
+    ``with_pip``: the venv gets the pip that ``python -m venv`` bundles, as a user's fresh venv does.
+    """
+    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(path)], check=True)
     python = path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     (_site_packages(python) / "_parent_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
@@ -38,10 +73,19 @@ def _site_packages(python: Path) -> Path:
     return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
-def _pip(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """This environment's pip, acting on the environment of ``python``."""
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+def _pip(
+    python: Path, *args: str, env: dict[str, str] | None = None, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """The venv's own pip if it has one, else this environment's pip acting on the venv of ``python``.
+
+    ``env`` adds to this process's environment, ``unset`` removes from it.
+    """
+    if (_site_packages(python) / "pip").is_dir():
+        cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    else:
+        cmd = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args]
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(cmd, capture_output=True, text=True, env={**environ, **(env or {})})
 
 
 def _import(python: Path, code: str) -> str:
@@ -132,14 +176,16 @@ def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tm
     assert [p.name for p in (tmp_path / "whl").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
 
 
-def test_pip_install_from_git(demo_project: Path, tmp_path: Path):
+def test_pip_install_from_git(demo_project: Path, pip_in_venv: Path):
+    """`pip install "lightning @ git+<url>"` from a fresh venv, with the pip it bundles and with the newest."""
     git(demo_project, "init", "-q")
     git(demo_project, "add", "-A")
     git(demo_project, "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-qm", "fork")
-    python = _venv(tmp_path / "venv")
-    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", f"lightning @ git+file://{demo_project}")
+    # `file://localhost/<path>`: pip before 24.1 refuses `git+file:///<path>` (no host) as an invalid requirement
+    url = f"git+file://localhost{demo_project.as_posix()}"
+    proc = _pip(pip_in_venv, "install", "--no-deps", "--no-build-isolation", f"lightning @ {url}")
     assert proc.returncode == 0, proc.stderr
-    assert _import(python, "import lightning; print(lightning.__version__)") == FORK
+    assert _import(pip_in_venv, "import lightning; print(lightning.__version__)") == FORK
 
 
 def test_editable_install_picks_up_an_edit(demo_project: Path, tmp_path: Path):
@@ -186,15 +232,26 @@ def test_cli_install_refuses_a_bad_pin_before_building(tmp_path: Path, run_cli):
     assert not (tmp_path / "dist").exists()
 
 
-def test_cold_cache_inside_pips_build_hook(demo_project: Path, tmp_path: Path, upstream_sdist: Path):
-    """The backend downloads the sdist with pip from inside pip's own hook (no warm cache, no override)."""
+@pytest.mark.parametrize("isolation", [False, True], ids=["no-build-isolation", "build-isolation"])
+def test_cold_cache_inside_pips_build_hook(
+    demo_project: Path, tmp_path: Path, upstream_sdist: Path, pip_in_venv: Path, isolation: bool
+):
+    """The backend downloads the sdist with pip from inside pip's own hook (no warm cache, no override).
+
+    Without build isolation the inner pip is the frontend's own (pip 23 and 24 hand the hook `PEP517_BACKEND_PATH`,
+    pip 25 and later `_PYPROJECT_HOOKS_BACKEND_PATH`); with it, the build environment's. Either way the hook's
+    variables must not reach the inner pip. A build of the fork that `lightning==2.6.6` would match sits next to
+    upstream's sdist.
+    """
     links = tmp_path / "links"
     links.mkdir()
     (links / upstream_sdist.name).write_bytes(upstream_sdist.read_bytes())
-    env = {"LIGHTNING_PATCHSET_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links)}
-    env = {**{k: v for k, v in os.environ.items() if k != "LIGHTNING_PATCHSET_SDIST"}, **env}
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w")]
-    proc = subprocess.run([*cmd, str(demo_project)], capture_output=True, text=True, env=env)
+    (links / f"lightning-{FORK}.tar.gz").write_bytes(b"not upstream's release")
+    env = {"LIGHTNING_PATCHSET_CACHE": str(tmp_path / "cache"), "PIP_FIND_LINKS": str(links)}
+    if not isolation:  # an isolated build installs its requirements from the index
+        env["PIP_NO_INDEX"] = "1"
+    args = ["wheel", "--no-deps", *([] if isolation else ["--no-build-isolation"]), "-w", str(tmp_path / "w")]
+    proc = _pip(pip_in_venv, *args, str(demo_project), env=env, unset=("LIGHTNING_PATCHSET_SDIST",))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in (tmp_path / "w").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
     assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))

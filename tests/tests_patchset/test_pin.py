@@ -3,10 +3,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import write
+from patchset_helpers import REPO, write
 
 from patchset import PatchsetError
-from patchset.pin import SDIST_ENV, fetch_sdist, file_sha256, read_pin
+from patchset.pin import SDIST_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
 
 
 def test_pin_names_the_fork_version(project: Path):
@@ -93,3 +93,11 @@ def test_download_failure_says_how_to_work_offline(project: Path, monkeypatch, t
     with pytest.raises(PatchsetError, match=f"could not download the lightning 2.6.6 sdist with pip.*{SDIST_ENV}"):
         fetch_sdist(read_pin(project))
     assert not list((tmp_path / "cache").rglob("*.tar.gz"))
+
+
+def test_the_tests_never_use_the_users_cache(patchset_cache: Path, tmp_path_factory):
+    """Fake sdists and trees the tests make land in a cache of the session's own, which starts with the real sdist."""
+    assert cache_dir() == patchset_cache.resolve()
+    assert patchset_cache.resolve().is_relative_to(tmp_path_factory.getbasetemp().resolve())
+    pin = read_pin(REPO)
+    assert file_sha256(patchset_cache / "sdist" / pin.sha256 / pin.sdist) == pin.sha256

@@ -1,5 +1,6 @@
 """rebase: replay the series onto a new upstream release made from the real sdist."""
 
+import re
 import tarfile
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from patchset_helpers import git
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
+from patchset.materialize import materialize_workspace
 from patchset.pin import extract_sdist, file_sha256, read_pin
 from patchset.rebase import rebase
 from patchset.series import read_series
@@ -95,3 +97,43 @@ def test_a_wrong_hash_changes_nothing(project: Path, upstream_sdist: Path, tmp_p
     with pytest.raises(PatchsetError, match=r"does not match the given 00"):
         rebase(project, "2.6.8", sdist=sdist, sha256="00" * 32)
     assert (project / "patches/upstream.pin").read_text() == pin_before
+
+
+def test_a_release_that_does_not_exist_changes_nothing(project: Path, tmp_path: Path, monkeypatch, run_cli):
+    """The download comes first: no such release is one short error, and the workspace is not made again."""
+    workspace = materialize_workspace(project)
+    head = git(workspace, "rev-parse", "HEAD")
+    (workspace / "marker").write_text("made before the rebase\n")
+    pin_before = (project / "patches/upstream.pin").read_text()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # an index with nothing on it
+    monkeypatch.delenv("LIGHTNING_PATCHSET_SDIST", raising=False)
+    proc = run_cli(project, "rebase", "9.9.9")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("patchset: error: your index has no sdist of lightning 9.9.9: nothing was changed.")
+    assert "--sdist lightning-9.9.9.tar.gz --sha256" in lines[0]
+    assert len(lines[0]) < 300
+    assert (workspace / "marker").is_file()
+    assert git(workspace, "rev-parse", "HEAD") == head
+    assert not (project / ".work/previous-tree").exists()
+    assert (project / "patches/upstream.pin").read_text() == pin_before
+
+
+def test_each_rebase_keeps_the_workspace_it_replaces(project: Path, upstream_sdist: Path, tmp_path: Path):
+    """Backups of replaced workspaces pile up, timestamped: the second rebase does not overwrite the first's."""
+    materialize_workspace(project)
+    first = _release(upstream_sdist, tmp_path, "2.6.7", _edit(SETUP, "import glob\n", "import glob\nimport sys\n"))
+    rebase(project, "2.6.7", sdist=first)
+    export(project)
+    second = _release(upstream_sdist, tmp_path, "2.6.8", _edit(SETUP, "import glob\n", "import glob\nimport os\n"))
+    rebase(project, "2.6.8", sdist=second)
+    backups = sorted((project / ".work").glob("previous-tree*"))
+    assert len(backups) == 2
+    assert backups[0].name == "previous-tree"
+    assert re.fullmatch(r"previous-tree-\d{8}T\d{6}Z", backups[1].name)
+    # the timestamped one is the workspace from before the first rebase, the plain one from before the second
+    assert git(backups[1], "log", "-1", "--format=%s", "upstream").startswith("lightning 2.6.6 ")
+    assert git(backups[0], "log", "-1", "--format=%s", "upstream").startswith("lightning 2.6.7 ")
+    assert git(project / ".work/tree", "log", "-1", "--format=%s", "upstream").startswith("lightning 2.6.8 ")

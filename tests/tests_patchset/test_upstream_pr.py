@@ -12,6 +12,7 @@ from patchset.pin import read_pin
 from patchset.series import ChangelogEntry
 from patchset.upstream_pr import insert_changelog, upstream_pr
 
+PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"
 MESSAGE = """fabric: add a demo helper
 
 Why: the demo needs it.
@@ -19,10 +20,17 @@ Why: the demo needs it.
 Bug: https://github.com/Lightning-AI/pytorch-lightning/issues/21308
 Mirrors: https://github.com/Lightning-AI/pytorch-lightning/pull/21309
 Forwarded: no
-Applied-Upstream: no
 New-Files: src/lightning/fabric/utilities/_demo.py tests/tests_fabric/utilities/test_demo*.py
 Changelog: fabric Fixed: Fixed the demo ([#21308](https://github.com/Lightning-AI/pytorch-lightning/issues/21308))
 """
+
+
+@pytest.fixture(autouse=True)
+def project_identity(monkeypatch):
+    """Patches carry the project's identity (the tests' default one is a placeholder, which upstream-pr refuses)."""
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
 
 
 @pytest.fixture
@@ -130,9 +138,9 @@ def test_bad_changelog_field_is_named(demo_project: Path):
 
     patch = demo_project / "patches" / "0002-fabric-add-a-demo-helper.patch"
     patch.write_text(patch.read_text().replace("Changelog: fabric Fixed:", "Changelog: fabric Repaired:"))
-    finding = check(demo_project)[1]
+    (finding,) = [f for f in check(demo_project) if "Changelog" in f.message]
     assert finding.ok is False
-    assert "bad Changelog field 'fabric Repaired:" in finding.message
+    assert "0002-fabric-add-a-demo-helper.patch: bad Changelog field 'fabric Repaired:" in finding.message
 
 
 def test_only_fork_fields_are_dropped_and_folded_lines_go_with_them(project: Path, upstream_checkout: Path):
@@ -162,4 +170,69 @@ def test_only_fork_fields_are_dropped_and_folded_lines_go_with_them(project: Pat
         in (upstream_checkout / "src/lightning/fabric/CHANGELOG.md").read_text()
     )
     # the maintainer's own identity commits in their checkout, not the tool's
-    assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == "Patch Set Tests <tests@patchset.invalid>"
+    assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == f"Lightning patch set <{PROJECT_EMAIL}>"
+
+
+def test_the_branch_starts_at_upstreams_default_branch_not_at_the_current_head(
+    demo_project: Path, upstream_checkout: Path
+):
+    main = git(upstream_checkout, "rev-parse", "HEAD")
+    git(upstream_checkout, "checkout", "-q", "-b", "other-pr")
+    write(upstream_checkout / "README.md", "someone else's PR\n")
+    git(upstream_checkout, "commit", "-qam", "another PR")
+    branch = upstream_pr(demo_project, "2", upstream_checkout)
+    assert git(upstream_checkout, "rev-parse", f"{branch}~1") == main  # not stacked on other-pr
+
+
+def test_a_second_run_needs_force_and_force_recreates_the_branch(demo_project: Path, upstream_checkout: Path):
+    branch = upstream_pr(demo_project, "2", upstream_checkout)
+    first = git(upstream_checkout, "rev-parse", branch)
+    git(upstream_checkout, "checkout", "-q", "main")
+    with pytest.raises(PatchsetError, match=f"branch {branch} exists; pass --force to recreate it from main"):
+        upstream_pr(demo_project, "2", upstream_checkout)
+    write(upstream_checkout / "NEWS", "upstream moved on\n")
+    git(upstream_checkout, "add", "-A")
+    git(upstream_checkout, "commit", "-qm", "upstream moved on")
+    upstream_pr(demo_project, "2", upstream_checkout, force=True)
+    assert git(upstream_checkout, "rev-parse", branch) != first
+    assert git(upstream_checkout, "rev-parse", f"{branch}~1") == git(upstream_checkout, "rev-parse", "main")
+
+
+def test_a_patch_that_does_not_apply_shows_gits_reason_and_leaves_the_checkout_clean(
+    demo_project: Path, upstream_checkout: Path
+):
+    init = upstream_checkout / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text("# upstream rewrote this file\n")
+    git(upstream_checkout, "commit", "-qam", "upstream rewrote it")
+    git(upstream_checkout, "checkout", "-q", "-b", "mine")
+    with pytest.raises(PatchsetError) as err:
+        upstream_pr(demo_project, "2", upstream_checkout, base="main")
+    assert "does not apply to" in str(err.value)
+    assert "git said:" in str(err.value)
+    assert "src/lightning/fabric/utilities/__init__.py" in str(err.value)  # git's own words name the file
+    assert git(upstream_checkout, "rev-parse", "--abbrev-ref", "HEAD") == "mine"
+    assert git(upstream_checkout, "status", "--porcelain", "--ignored") == ""
+    assert not (upstream_checkout / ".git" / "rebase-apply").exists()
+    assert "patchset/" not in git(upstream_checkout, "branch")
+
+
+def test_the_author_is_the_patchs_real_identity_or_the_one_given(demo_project: Path, upstream_checkout: Path):
+    upstream_pr(demo_project, "2", upstream_checkout)
+    assert git(upstream_checkout, "log", "-1", "--format=%an <%ae>") == f"Lightning patch set <{PROJECT_EMAIL}>"
+    upstream_pr(demo_project, "2", upstream_checkout, force=True, base="main", author="A Dev <a.dev@lightning.ai>")
+    assert git(upstream_checkout, "log", "-1", "--format=%an <%ae>") == "A Dev <a.dev@lightning.ai>"
+    with pytest.raises(PatchsetError, match="is a placeholder address; fix the patch's From: or pass --author"):
+        upstream_pr(demo_project, "2", upstream_checkout, force=True, base="main", author="X <x@example.com>")
+
+
+def test_a_checkout_without_a_git_identity_commits_as_the_author(
+    demo_project: Path, upstream_checkout: Path, monkeypatch
+):
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.delenv(f"GIT_{role}_NAME")
+        monkeypatch.delenv(f"GIT_{role}_EMAIL")
+    monkeypatch.delenv("EMAIL", raising=False)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/dev/null")
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    upstream_pr(demo_project, "2", upstream_checkout)
+    assert git(upstream_checkout, "log", "-1", "--format=%cn <%ce>") == f"Lightning patch set <{PROJECT_EMAIL}>"

@@ -126,9 +126,9 @@ def test_patch_already_upstream_is_reported(project: Path, tmp_path: Path):
     names = [p.name for p in read_series(project)]
     (project / "patches" / names[1]).unlink()  # keep only the restoring patch: its change is already in the base
     series.write_text("\n".join([names[0], names[2]]) + "\n")
-    findings = check(project)
-    assert findings[1].ok is False
-    assert findings[1].message == f"{names[2]} is already upstream (it applies in reverse): drop it from patches/series"
+    (finding,) = [f for f in check(project) if f.name == names[2]]
+    assert finding.ok is False
+    assert finding.message == f"{names[2]} is already upstream (it applies in reverse): drop it from patches/series"
 
 
 def test_patch_applying_only_with_offsets_must_be_re_exported(project: Path, run_cli):
@@ -149,7 +149,10 @@ def test_patch_applying_only_with_offsets_must_be_re_exported(project: Path, run
     assert export(project, check=True) == [patch.name]
     proc = run_cli(project, "export", "--check")
     assert proc.returncode == 1
-    assert f"re-export would change patches/{patch.name}" in proc.stdout
+    # the diff says what a re-export would change, so a failing CI run shows the fix
+    assert f"--- a/patches/{patch.name}\n+++ b/patches/{patch.name}\n" in proc.stdout
+    assert re.search(r"^-@@ -\d+,\d+ \+\d+,", proc.stdout, re.M)
+    assert proc.stdout.rstrip().endswith("export check: FAILED")
 
 
 def test_cli_check_passes_on_this_repository(run_cli):
@@ -204,7 +207,7 @@ def test_export_and_materialize_refuse_a_paused_rebase(project: Path):
 def test_a_stale_workspace_never_reverts_patches_that_changed_since(project: Path):
     materialize_workspace(project)
     patch = read_series(project)[0].path
-    patch.write_text(patch.read_text().replace("Applied-Upstream: no", "Applied-Upstream: no\nBug: none"))  # a pull
+    patch.write_text(patch.read_text().replace("Forwarded: not-needed", "Forwarded: not-needed\nBug: none"))  # a pull
     pulled = patch.read_bytes()
     with pytest.raises(PatchsetError, match=r"patches/ changed since \.work/tree was materialized \(0001-"):
         export(project)

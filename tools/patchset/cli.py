@@ -20,22 +20,26 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from patchset.export import export
+    from patchset.export import diff_text, export, preview
 
-    changed = export(args.project, check=args.check)
     if args.check:
-        for name in changed:
-            print(f"re-export would change patches/{name}")
-        print("export check: " + ("FAILED" if changed else "patches are exactly what they materialize to"))
-        return 1 if changed else 0
+        old, new = preview(args.project)
+        diff = diff_text(old, new)
+        if diff:
+            print(diff, end="")
+        print("export check: " + ("FAILED" if diff else "patches are exactly what they materialize to"))
+        return 1 if diff else 0
+    changed = export(args.project, force=args.force)
     print("exported: " + (", ".join(changed) if changed else "nothing changed"))
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    from patchset.check import check
+    from patchset.check import check, check_upstream
 
     findings = check(args.project)
+    if args.upstream is not None:
+        findings += check_upstream(args.project, args.upstream.resolve(), args.base)
     for finding in findings:
         print(("ok    " if finding.ok else "FAIL  ") + finding.message)
     return 0 if all(f.ok for f in findings) else 1
@@ -44,9 +48,47 @@ def _check(args: argparse.Namespace) -> int:
 def _upstream_pr(args: argparse.Namespace) -> int:
     from patchset.upstream_pr import upstream_pr
 
-    branch = upstream_pr(args.project, args.patch, args.onto.resolve(), args.branch, args.format_patch)
+    branch = upstream_pr(
+        args.project,
+        args.patch,
+        args.onto.resolve(),
+        args.branch,
+        args.format_patch,
+        base=args.base,
+        force=args.force,
+        author=args.author,
+    )
     print(f"created branch {branch} in {args.onto}")
     return 0
+
+
+def _import_pr(args: argparse.Namespace) -> int:
+    from patchset.import_pr import import_pr
+
+    result = import_pr(args.project, args.patch, args.onto.resolve(), args.branch, args.base)
+    print(f"{result.patch}: {len(result.upstream_only)} upstream-only sections, {len(result.new_files)} new files")
+    for path in result.not_taken:
+        print(
+            f"not taken: {path} (a file the sdist ships, or a new file no New-Files glob owns): edit it in .work/tree"
+        )
+    return 0
+
+
+def _upstream_tests(args: argparse.Namespace) -> int:
+    from patchset.upstream_tests import run_upstream_tests
+
+    record = run_upstream_tests(
+        args.project,
+        args.patch,
+        args.onto.resolve(),
+        base=args.base,
+        torch=args.torch,
+        python=args.python,
+        select=args.select,
+        base_runs=args.base_runs,
+    )
+    print(record.summary())
+    return 0 if not record.caused else 1
 
 
 def _rebase(args: argparse.Namespace) -> int:
@@ -98,10 +140,18 @@ def parser() -> argparse.ArgumentParser:
     cmd.set_defaults(run=_materialize)
 
     cmd = sub.add_parser("export", help="write the workspace's commits back to patches/")
-    cmd.add_argument("--check", action="store_true", help="only report; fail if a re-export would change a patch")
+    cmd.add_argument("--check", action="store_true", help="only report (with the diff); fail if a patch would change")
+    cmd.add_argument("--force", action="store_true", help="overwrite patches/ changed since materialize")
     cmd.set_defaults(run=_export)
 
-    cmd = sub.add_parser("check", help="every patch applies to the pinned base with zero fuzz")
+    cmd = sub.add_parser("check", help="the series' rules; every patch applies to the pinned base with zero fuzz")
+    cmd.add_argument(
+        "--upstream",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also apply each upstream-bound patch, whole, to this checkout",
+    )
+    cmd.add_argument("--base", help="with --upstream: the branch or commit (default: upstream's default branch)")
     cmd.set_defaults(run=_check)
 
     cmd = sub.add_parser("upstream-pr", help="make a clean upstream branch for one patch")
@@ -109,7 +159,32 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--onto", type=Path, required=True, help="an upstream Lightning git checkout")
     cmd.add_argument("--branch", help="branch name (default: patchset/<patch name>)")
     cmd.add_argument("--format-patch", type=Path, metavar="DIR", help="also write the commit as a patch file here")
+    cmd.add_argument("--base", help="start the branch here (default: upstream's default branch, or the Depends-On PR)")
+    cmd.add_argument("--force", action="store_true", help="recreate the branch if it exists")
+    cmd.add_argument("--author", help="'Name <address>' for the commit (default: the patch's author)")
     cmd.set_defaults(run=_upstream_pr)
+
+    cmd = sub.add_parser("import-pr", help="take a PR branch's upstream-only edits and new files back into the patch")
+    cmd.add_argument("patch", help="patch file name or number, e.g. 0002")
+    cmd.add_argument("--onto", type=Path, required=True, help="the upstream checkout holding the PR branch")
+    cmd.add_argument("--branch", help="the PR branch (default: patchset/<patch name>)")
+    cmd.add_argument("--base", help="what the branch started from (default: as upstream-pr)")
+    cmd.set_defaults(run=_import_pr)
+
+    cmd = sub.add_parser("upstream-tests", help="run upstream's tests on a patch's PR branch and on its base; record")
+    cmd.add_argument("patch", help="patch file name or number, e.g. 0002")
+    cmd.add_argument("--onto", type=Path, required=True, help="an upstream Lightning git checkout (left clean)")
+    cmd.add_argument("--base", help="as upstream-pr --base")
+    cmd.add_argument("--torch", default="2.13.0", help="the torch to test with (default: 2.13.0, a CPU build)")
+    cmd.add_argument("--python", help="use this venv's interpreter instead of making one")
+    cmd.add_argument("--select", nargs="+", help="test paths or node ids instead of the patch's default selection")
+    cmd.add_argument(
+        "--base-runs",
+        choices=["all", "failures"],
+        default="all",
+        help="on the base, rerun the whole selection (default) or only what failed on the branch",
+    )
+    cmd.set_defaults(run=_upstream_tests)
 
     cmd = sub.add_parser("rebase", help="replay the series onto a new upstream release in .work/tree")
     cmd.add_argument("version", help="the new upstream version, e.g. 2.6.7")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ from pathlib import Path
 from patchset import PatchsetError
 from patchset.gitops import git, out
 from patchset.materialize import BASE_TAG, WORKSPACE, make_workspace
+from patchset.sections import join_patch, read_note, split_patch
 from patchset.series import SERIES_FILE
 
 _FORMAT_ARGS = (
@@ -23,6 +25,7 @@ _FORMAT_ARGS = (
     "--subject-prefix=PATCH",
     "--no-renames",
     "--encode-email-headers",
+    "--always",  # a patch whose every section is upstream-only is an empty commit in the workspace
 )
 SERIES = SERIES_FILE.name
 # git states in which HEAD is not the workspace's real series
@@ -36,11 +39,15 @@ _IN_PROGRESS = {
 
 
 def format_commit(repo: Path, commit: str) -> bytes:
-    """One commit as a patch file: no date, no commit id, no diffstat, no version signature."""
+    """One commit as a patch file: no date, no commit id, no diffstat, no version signature.
+
+    The upstream-only sections kept in the commit's note are merged back in, in git's order.
+    """
     text = git(repo, *_FORMAT_ARGS, "-1", commit).stdout
     head, sep, body = text.partition(b"\n\n")
     head = b"\n".join(line for line in head.split(b"\n") if not line.startswith(b"Date: "))
-    return head + sep + body
+    message, sections = split_patch(head + sep + body)
+    return join_patch(message, sections + read_note(repo, commit))
 
 
 def patch_name(position: int, subject: str) -> str:
@@ -121,21 +128,51 @@ def unexported_work(project: Path, workspace: Path) -> list[str]:
     return changes
 
 
+def preview(project: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """The series file and patches as they are, and as exporting would write them.
+
+    From the workspace if there is one, else from a fresh materialization, as on CI or in a fresh clone.
+    """
+    workspace = project / WORKSPACE
+    current = series_files(project / "patches")
+    if workspace.exists():
+        return current, planned_export(project, workspace)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_workspace(project, Path(tmp) / "tree")
+        return current, planned_export(project, Path(tmp) / "tree")
+
+
+def diff_text(old: dict[str, bytes], new: dict[str, bytes]) -> str:
+    """A unified diff of the changed patch files (``a/`` as committed, ``b/`` as a re-export would write them)."""
+    lines: list[str] = []
+    for name in _changed(old, new):
+        before = old.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)
+        after = new.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)
+        lines += difflib.unified_diff(before, after, f"a/patches/{name}", f"b/patches/{name}")
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
 def export(project: Path, check: bool = False, force: bool = False) -> list[str]:
     """Write the workspace's commits back as patches (with ``check``, only report). Returns the changed names.
 
     Refuses when ``patches/`` changed since the workspace was materialized (a pull, say), since writing would revert
-    those changes, unless ``force``.
+    those changes, unless ``force``; and refuses uncommitted edits in the workspace, which would not be exported.
     """
-    workspace = project / WORKSPACE
-    current = series_files(project / "patches")
     if check:
-        if workspace.exists():
-            return _changed(current, planned_export(project, workspace))
-        # No workspace (CI, a fresh clone): re-export what the patches materialize to, which must be byte-identical.
-        with tempfile.TemporaryDirectory() as tmp:
-            make_workspace(project, Path(tmp) / "tree")
-            return _changed(current, planned_export(project, Path(tmp) / "tree"))
+        return _changed(*preview(project))
+    workspace = project / WORKSPACE
+    if not (workspace / ".git").is_dir():
+        raise PatchsetError(f"{workspace}: no workspace; run `materialize` first")
+    operation = in_progress(workspace)
+    if operation:
+        raise PatchsetError(f"{workspace} is in the middle of {operation}: finish or abort it first")
+    current = series_files(project / "patches")
+    dirty = git(workspace, "status", "--porcelain").stdout.decode().splitlines()
+    if dirty:
+        raise PatchsetError(
+            f"{WORKSPACE} has uncommitted edits ({', '.join(line[3:] for line in dirty)}): commit them to the patch"
+            " they belong to (git commit --fixup, then git rebase -i --autosquash), or discard them, then export"
+        )
     planned = planned_export(project, workspace)
     snapshot = series_files(snapshot_dir(workspace))
     if not force and current != snapshot:

@@ -47,12 +47,14 @@ def git(
     """Run ``git -C repo args`` and return the completed process.
 
     ``isolated`` (for the tool's own repositories) ignores the user's git configuration, hooks and identity; work in
-    a user's checkout (``upstream-pr --onto``) runs with ``isolated=False``, as the user's own git would.
+    a user's checkout (``upstream-pr --onto``) runs with ``isolated=False``, as the user's own git would (``env`` is
+    then added to the user's environment).
     """
     options = ("-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", "-c", "core.hooksPath=" + os.devnull)
     cmd: Sequence[str] = ("git", *(options if isolated else ()), "-C", str(repo), *args)
     try:
-        proc = subprocess.run(cmd, input=input, capture_output=True, env=_env(env) if isolated else None)
+        run_env = _env(env) if isolated else ({**os.environ, **env} if env else None)
+        proc = subprocess.run(cmd, input=input, capture_output=True, env=run_env)
     except FileNotFoundError as err:
         raise PatchsetError("git is required but was not found on PATH") from err
     if check and proc.returncode != 0:
@@ -76,3 +78,13 @@ def init_repo(path: Path) -> None:
 def is_clean(repo: Path, isolated: bool = True) -> bool:
     """Whether the work tree and index match HEAD (ignored files aside)."""
     return not git(repo, "status", "--porcelain", isolated=isolated).stdout.strip()
+
+
+def am(
+    repo: Path, *args: str, isolated: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """``git am``; a patch with no diff (all its sections upstream-only, say) becomes an empty commit."""
+    proc = git(repo, "am", *args, check=False, isolated=isolated, env=env)
+    if proc.returncode != 0 and b"Patch is empty" in proc.stdout + proc.stderr:
+        proc = git(repo, "am", "--allow-empty", check=False, isolated=isolated, env=env)
+    return proc

@@ -12,12 +12,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git, init_repo
+from patchset.gitops import am, git, init_repo
 from patchset.pin import Pin, cache_dir, extract_sdist, fetch_sdist, read_pin
+from patchset.sections import NOTES_REF, exclude_args, shipped_files, upstream_only, write_note
 from patchset.series import Patch, read_series, series_digest_material
 
 # Folders of this repo whose files are new files at upstream paths, laid over the upstream tree.
-OVERLAY_ROOTS = ("src", "tests/tests_fabric", "tests/tests_pytorch", "docs")
+# Pages of the fork itself (docs/torch-matrix.md, say) sit beside these in docs/ and are not laid over.
+OVERLAY_ROOTS = ("src", "tests/tests_fabric", "tests/tests_pytorch", "docs/source-fabric", "docs/source-pytorch")
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 WORKSPACE = Path(".work") / "tree"
 BASE_TAG = "upstream"
@@ -41,11 +43,15 @@ def overlay_files(project: Path) -> list[str]:
     return sorted(found)
 
 
-def _diagnose(repo: Path, patch: Patch) -> str:
-    """Why ``patch`` does not apply to ``repo``: already upstream, or which file and hunk fail."""
-    if git(repo, "apply", "--check", "--reverse", str(patch.path), check=False).returncode == 0:
+def _diagnose(repo: Path, patch: Patch, skip: list[str] | None = None) -> str:
+    """Why ``patch`` does not apply to ``repo``: already upstream, or which file and hunk fail.
+
+    ``skip`` holds ``--exclude`` options for sections the repository does not have (upstream-only sections).
+    """
+    skip = skip or []
+    if git(repo, "apply", "--check", "--reverse", *skip, str(patch.path), check=False).returncode == 0:
         return f"{patch.name} is already upstream (it applies in reverse): drop it from patches/series"
-    proc = git(repo, "apply", "--check", str(patch.path), check=False)
+    proc = git(repo, "apply", "--check", *skip, str(patch.path), check=False)
     stderr = proc.stderr.decode(errors="replace")
     failed = re.search(r"patch failed: (.+):(\d+)", stderr)
     if failed:
@@ -83,13 +89,24 @@ def base_repo(pin: Pin, dest: Path) -> None:
     git(dest, "tag", BASE_TAG)
 
 
-def apply_series(repo: Path, patches: list[Patch], three_way: bool = True) -> None:
-    """Apply each patch as one commit with ``git am``; on failure, leave no half-applied state and say why."""
+def apply_series(repo: Path, patches: list[Patch], three_way: bool = True, notes: bool = False) -> None:
+    """Apply each patch as one commit with ``git am``; on failure, leave no half-applied state and say why.
+
+    Sections for files the sdist does not ship are skipped; with ``notes`` (a workspace), each commit keeps them as
+    a git note so that ``export`` writes them back unchanged.
+    """
+    shipped = shipped_files(repo, BASE_TAG)
+    if notes:
+        git(repo, "config", "notes.rewriteRef", NOTES_REF)
     for patch in patches:
-        args = ["am", "-q", "--keep-cr"] + (["-3"] if three_way else []) + [str(patch.path)]
-        if git(repo, *args, check=False).returncode != 0:
+        extra = upstream_only(patch.path, shipped)
+        skip = exclude_args(extra)
+        args = ["-q", "--keep-cr", *(["-3"] if three_way else []), *skip, str(patch.path)]
+        if am(repo, *args).returncode != 0:
             git(repo, "am", "--abort", check=False)
-            raise PatchsetError(_diagnose(repo, patch))
+            raise PatchsetError(_diagnose(repo, patch, skip))
+        if notes and extra:
+            write_note(repo, "HEAD", extra)
 
 
 def check_overlay(project: Path, tree: Path) -> list[str]:
@@ -236,7 +253,7 @@ def make_workspace(project: Path, repo: Path) -> None:
     """Build a workspace repository at ``repo`` (see :func:`materialize_workspace`)."""
     pin = read_pin(project)
     base_repo(pin, repo)
-    apply_series(repo, read_series(project))
+    apply_series(repo, read_series(project), notes=True)
     files = check_overlay(project, repo)
     lay_overlay(project, repo, files, link=True)
     exclude = repo / ".git" / "info" / "exclude"

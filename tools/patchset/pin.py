@@ -117,27 +117,59 @@ def fetch_sdist(pin: Pin) -> Path:
     return cached
 
 
+# What a build frontend sets for the hook it runs. Inside our hook, they would steer the inner ``pip download`` (which
+# runs upstream's setuptools hooks to read the sdist's metadata) to *our* backend and backend-path: pyproject-hooks
+# 1.0 (vendored by pip 23 and 24, e.g. the pip 23.2 a fresh venv bundles) and the ``pep517`` package use the
+# ``PEP517_*`` names, 1.2 (pip 25 and later) ``_PYPROJECT_HOOKS_*``. pip's other variables stay: ``PATH`` and
+# ``PYTHONPATH`` make the hook's build environment, and ``PIP_BUILD_TRACKER`` is shared on purpose so that pip notices
+# a build that recursively needs itself.
+_FRONTEND_VARIABLES = ("PEP517_BUILD_BACKEND", "PEP517_BACKEND_PATH")
+_FRONTEND_PREFIXES = ("_PYPROJECT_HOOKS_",)
+
+
+class ReleaseNotFoundError(PatchsetError):
+    """The index has no sdist of the requested release."""
+
+
+def hook_free_environ() -> dict[str, str]:
+    """``os.environ`` without the variables a build frontend sets for the hook it runs (see above)."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _FRONTEND_VARIABLES and not key.startswith(_FRONTEND_PREFIXES)
+    }
+
+
 def pip_download(name: str, version: str, dest: Path) -> Path:
-    """Download the sdist of ``name==version`` into ``dest`` with pip (the user's index settings apply)."""
+    """Download the sdist of exactly ``name`` ``version`` into ``dest`` with pip (the user's index settings apply).
+
+    Raises :class:`ReleaseNotFoundError` when the index has no such release.
+    """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
     if all(importlib.util.find_spec(module) for module in ("setuptools", "wheel", "packaging")):
         # pip reads the sdist's metadata; with its build requirements at hand, skip an isolated environment
         cmd.append("--no-build-isolation")
-    cmd += ["--dest", str(dest), f"{name}=={version}"]
-    # Inside a PEP 517 hook, pip's variables for *our* backend would send the inner pip looking for upstream's
-    # backend in our backend-path.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("_PYPROJECT_HOOKS_")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # `===`: exactly this version, so a local build of the fork (`2.6.6+patchset.1`, which `==2.6.6` matches) on a
+    # find-links path is never taken for upstream's release
+    cmd += ["--dest", str(dest), f"{name}==={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=hook_free_environ())
     found = sorted(dest.glob("*.tar.gz"))
-    if proc.returncode != 0 or len(found) != 1:
-        lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-        errors = [line for line in lines if line.lower().startswith("error:")]
-        reason = errors[0] if errors else (lines[-1] if lines else "no output")
-        raise PatchsetError(
-            f"could not download the {name} {version} sdist with pip ({reason}); set {SDIST_ENV} to a local copy"
-            " for offline use"
-        )
-    return found[0]
+    if proc.returncode == 0 and len(found) == 1:
+        return found[0]
+    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    errors = [line for line in lines if line.lower().startswith("error:") and not line.endswith("Exception:")]
+    # pip's own errors first; for a traceback, its last line names the exception
+    reason = errors[0] if errors else (lines[-1] if lines else "no output")
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    missing = any("No matching distribution found" in line for line in lines)
+    if missing:
+        reason = f"your index has no sdist of {name} {version}"
+    message = (
+        f"could not download the {name} {version} sdist with pip ({reason}); set {SDIST_ENV} to a local copy"
+        " for offline use"
+    )
+    raise ReleaseNotFoundError(message) if missing else PatchsetError(message)
 
 
 def cache_sdist(path: Path, sha256: str) -> Path:

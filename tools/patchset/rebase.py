@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import git, out
-from patchset.materialize import BASE_TAG, materialize_workspace, write_version
-from patchset.pin import Pin, cache_sdist, extract_sdist, file_sha256, pip_download, read_pin, write_pin
+from patchset.materialize import BASE_TAG, WORKSPACE, materialize_workspace, write_version
+from patchset.pin import (
+    Pin,
+    ReleaseNotFoundError,
+    cache_sdist,
+    extract_sdist,
+    file_sha256,
+    pip_download,
+    read_pin,
+    write_pin,
+)
 
 PREVIOUS_TAG = "upstream-previous"
 
@@ -28,20 +39,19 @@ def rebase(project: Path, version: str, sdist: Path | None = None, sha256: str |
     """Replay the series onto ``lightning==version`` in ``.work/tree`` and pin that release.
 
     The new sdist comes from ``sdist`` or from pip; with ``sha256`` it must match, otherwise its hash is taken as
-    downloaded and written to the pin for review. Commits whose change upstream already has are dropped; a conflict
-    stops the rebase in the workspace for the user to resolve (``git rebase --continue``), then ``export``.
+    downloaded and written to the pin for review. It is fetched and checked first: a release that does not exist or
+    a wrong hash changes nothing. Then the workspace is made again (the one it replaces is kept, see
+    :func:`keep_previous_tree`). Commits whose change upstream already has are dropped; a conflict stops the rebase in
+    the workspace for the user to resolve (``git rebase --continue``), then ``export``.
     """
     old = read_pin(project)
+    path, actual = _new_release(old, version, sdist, sha256)
+    new = replace(old, version=version, sdist=path.name, sha256=actual, local_version="patchset.1")
+    keep_previous_tree(project)
     workspace = materialize_workspace(project)  # refuses to replace work that was not exported
+    before = out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
+    subjects = {c: out(workspace, "log", "-1", "--format=%s", c) for c in before}
     with tempfile.TemporaryDirectory() as tmp:
-        path = sdist if sdist is not None else pip_download(old.name, version, Path(tmp))
-        actual = file_sha256(path)
-        if sha256 and actual != sha256.lower():
-            raise PatchsetError(f"{path}: sha256 {actual} does not match the given {sha256}")
-        new = replace(old, version=version, sdist=path.name, sha256=actual, local_version="patchset.1")
-        cache_sdist(path, actual)
-        before = out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
-        subjects = {c: out(workspace, "log", "-1", "--format=%s", c) for c in before}
         new_base = _commit_release(workspace, path, new, Path(tmp) / "release")
     # upstream's own version.info moves with the release: hand it back to git for the replay
     versions = [str(p.relative_to(workspace)) for p in sorted((workspace / "src").rglob("version.info"))]
@@ -62,6 +72,44 @@ def rebase(project: Path, version: str, sdist: Path | None = None, sha256: str |
     after = {out(workspace, "log", "-1", "--format=%s", c) for c in _commits(workspace)}
     dropped = [s for s in subjects.values() if s not in after] if stopped_at is None else []
     return RebaseResult(new, len(after), dropped, stopped_at)
+
+
+def _new_release(old: Pin, version: str, sdist: Path | None, sha256: str | None) -> tuple[Path, str]:
+    """The new release's sdist in the cache, and its sha256; a short error before anything changed if there is none."""
+    if sdist is not None and not sdist.is_file():
+        raise PatchsetError(f"--sdist {sdist}: no such file")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = sdist if sdist is not None else pip_download(old.name, version, Path(tmp))
+        except ReleaseNotFoundError:
+            raise PatchsetError(
+                f"your index has no sdist of {old.name} {version}: nothing was changed. Check the version; for a"
+                f" release your index lacks, download its sdist and pass --sdist {old.name}-{version}.tar.gz"
+                " --sha256 <from the release page>"
+            ) from None
+        actual = file_sha256(path)
+        if sha256 and actual != sha256.lower():
+            raise PatchsetError(f"{path}: sha256 {actual} does not match the given {sha256}; nothing was changed")
+        return cache_sdist(path, actual), actual
+
+
+def keep_previous_tree(project: Path) -> Path | None:
+    """Move an earlier ``.work/previous-tree`` aside as ``previous-tree-<UTC time>``, so no backup is overwritten.
+
+    ``materialize_workspace`` keeps the workspace it replaces as ``.work/previous-tree``, replacing the one there;
+    ``rebase`` calls this first. Returns where the earlier backup went, if there was one.
+    """
+    previous = (project / WORKSPACE).with_name("previous-tree")
+    if not previous.exists() or not (project / WORKSPACE).exists():
+        return None  # materialize will not replace it
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = previous.with_name(f"previous-tree-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = previous.with_name(f"previous-tree-{stamp}-{n}")
+    os.rename(previous, target)
+    return target
 
 
 def _commits(workspace: Path) -> list[str]:

@@ -13,7 +13,7 @@ from patchset import PatchsetError
 SERIES_FILE = Path("patches") / "series"
 CHANGELOG_SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed")
 # Trailers kept in the fork only: they describe the patch's life here, not the upstream change.
-FORK_TRAILERS = ("Forwarded", "Applied-Upstream", "Changelog", "New-Files", "Bug", "Mirrors")
+FORK_TRAILERS = ("Forwarded", "Applied-Upstream", "Changelog", "New-Files", "Bug", "Mirrors", "Depends-On")
 _CHANGELOG = re.compile(r"^(fabric|pytorch) (" + "|".join(CHANGELOG_SECTIONS) + r"): (.+)$")
 
 
@@ -33,6 +33,8 @@ class Patch:
     path: Path
     subject: str
     trailers: dict[str, list[str]] = field(default_factory=dict)
+    author: str = ""
+    description: str = ""
 
     @property
     def name(self) -> str:
@@ -78,10 +80,13 @@ class Patch:
         return entries
 
 
-def _decode_subject(raw: str) -> str:
+def _decode_header(raw: str) -> str:
     parts = email.header.decode_header(raw)
-    text = "".join(p.decode(enc or "utf-8") if isinstance(p, bytes) else p for p, enc in parts)
-    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", text)
+    return "".join(p.decode(enc or "utf-8") if isinstance(p, bytes) else p for p, enc in parts)
+
+
+def _decode_subject(raw: str) -> str:
+    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", _decode_header(raw))
 
 
 def parse_patch(path: Path) -> Patch:
@@ -90,19 +95,14 @@ def parse_patch(path: Path) -> Patch:
     head, sep, rest = text.partition("\n\n")
     if not sep:
         raise PatchsetError(f"{path.name}: not a git format-patch file (no header block)")
-    header_lines = head.splitlines()
-    subject_parts: list[str] = []
-    for i, line in enumerate(header_lines):
-        if line.startswith("Subject:"):
-            subject_parts.append(line[len("Subject:") :].strip())
-            subject_parts.extend(cont.strip() for cont in header_lines[i + 1 :] if cont[:1] in (" ", "\t"))
-            break
-    if not subject_parts:
+    headers = _mail_headers(head)
+    if "Subject" not in headers:
         raise PatchsetError(f"{path.name}: no Subject header")
     message = re.split(r"\n---\n|\ndiff --git ", "\n" + rest, maxsplit=1)[0]
     trailers: dict[str, list[str]] = {}
-    # Trailers are the last paragraph of the message.
-    last_paragraph = message.strip().split("\n\n")[-1]
+    # Trailers are the last paragraph of the message; the paragraphs before it describe the patch.
+    paragraphs = message.strip().split("\n\n")
+    last_paragraph = paragraphs[-1]
     last_key = None
     for line in last_paragraph.splitlines():
         key, sep, value = line.partition(": ")
@@ -111,7 +111,24 @@ def parse_patch(path: Path) -> Patch:
             last_key = key
         elif line[:1] in (" ", "\t") and last_key:  # a folded trailer continues the previous value
             trailers[last_key][-1] += " " + line.strip()
-    return Patch(path, _decode_subject(" ".join(subject_parts)), trailers)
+    description = "\n\n".join(paragraphs[:-1] if trailers else paragraphs).strip()
+    author = _decode_header(headers.get("From", ""))
+    return Patch(path, _decode_subject(headers["Subject"]), trailers, author, description)
+
+
+def _mail_headers(head: str) -> dict[str, str]:
+    """The mail header block as a dict, folded lines unfolded."""
+    headers: dict[str, str] = {}
+    key = None
+    for line in head.splitlines():
+        if line[:1] in (" ", "\t") and key:
+            headers[key] += " " + line.strip()
+            continue
+        name, sep, value = line.partition(":")
+        if sep and " " not in name:
+            key = name
+            headers[key] = value.strip()
+    return headers
 
 
 def read_series(project: Path) -> list[Patch]:

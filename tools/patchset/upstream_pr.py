@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git, is_clean, out
+from patchset.gitops import am, git, is_clean, out
 from patchset.materialize import overlay_files
 from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, read_series
 
@@ -71,11 +72,72 @@ def _clean_message(message: str) -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
-def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, out_dir: Path | None = None) -> str:
+def default_branch(checkout: Path) -> str:
+    """Upstream's default branch in ``checkout``: what ``origin/HEAD`` names, else a local ``master`` or ``main``."""
+    proc = git(checkout, "symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD", check=False, isolated=False)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return proc.stdout.decode().strip()
+    for name in ("master", "main"):
+        if git(checkout, "rev-parse", "--verify", "--quiet", f"refs/heads/{name}", check=False).returncode == 0:
+            return name
+    raise PatchsetError(f"{checkout}: no origin/HEAD, master or main; name the base branch with --base")
+
+
+def branch_name(patch: Patch) -> str:
+    """The default PR branch of a patch: ``patchset/<subject slug>``."""
+    return "patchset/" + patch.name.removesuffix(".patch").split("-", 1)[-1]
+
+
+def _head(onto: Path) -> str:
+    """The checked-out branch, or the commit when HEAD is detached."""
+    proc = git(onto, "symbolic-ref", "--quiet", "--short", "HEAD", check=False, isolated=False)
+    return proc.stdout.decode().strip() if proc.returncode == 0 else out(onto, "rev-parse", "HEAD", isolated=False)
+
+
+def _restore(onto: Path, original: str, branch: str, previous: str | None) -> str | None:
+    """Undo a failed attempt: the branch back at ``previous``, or gone.
+
+    Returns what could not be undone, or ``None`` once the checkout is verified clean.
+    """
+    if (onto / ".git" / "rebase-apply").exists():
+        git(onto, "am", "--abort", check=False, isolated=False)
+    git(onto, "reset", "-q", "--hard", check=False, isolated=False)
+    git(onto, "clean", "-q", "-fd", check=False, isolated=False)
+    git(onto, "checkout", "-q", "--detach", check=False, isolated=False)
+    if previous:
+        git(onto, "branch", "-q", "-f", branch, previous, check=False, isolated=False)
+    else:
+        git(onto, "branch", "-q", "-D", branch, check=False, isolated=False)
+    git(onto, "checkout", "-q", original, check=False, isolated=False)
+    left = []
+    if (onto / ".git" / "rebase-apply").exists():
+        left.append("a `git am` session is still open")
+    if _head(onto) != original:
+        left.append(f"HEAD is {_head(onto)}, not {original}")
+    if not is_clean(onto, isolated=False):
+        left.append("the work tree has changes")
+    return "; ".join(left) or None
+
+
+def upstream_pr(
+    project: Path,
+    ref: str,
+    onto: Path,
+    branch: str | None = None,
+    out_dir: Path | None = None,
+    base: str | None = None,
+    force: bool = False,
+    author: str | None = None,
+) -> str:
     """Create a branch in the upstream checkout ``onto`` holding the patch, its new files and CHANGELOG entries.
 
-    Returns the branch name. With ``out_dir``, also writes the commit as a ``git format-patch`` file there.
+    The branch starts at ``base``: by default upstream's default branch or, for a patch with ``Depends-On:``, the PR
+    branch of the patch it depends on. ``force`` recreates an existing branch. The commit's author is the patch's, or
+    ``author``. On failure the checkout is put back as it was and verified clean. Returns the branch name; with
+    ``out_dir``, also writes the commit as a ``git format-patch`` file there.
     """
+    from patchset.lint import placeholder_author
+
     patch = find_patch(project, ref)
     if not patch.upstreamable:
         raise PatchsetError(f"{patch.name} is fork packaging (Forwarded: not-needed); it has no upstream PR")
@@ -83,35 +145,65 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
         raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
     if not is_clean(onto, isolated=False):
         raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+    who = author or patch.author
+    why = placeholder_author(who)
+    if why:
+        raise PatchsetError(f"{patch.name}: {why}; fix the patch's From: or pass --author 'Name <address>'")
+    if base is None:
+        depends = patch.field("Depends-On")
+        base = branch_name(find_patch(project, depends)) if depends else default_branch(onto)
+    if git(onto, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}", check=False, isolated=False).returncode:
+        hint = " (make it first with upstream-pr)" if base.startswith("patchset/") else ""
+        raise PatchsetError(f"{onto}: no branch or commit {base!r} to start from{hint}")
     new_files = [f for f in overlay_files(project) if patch.owns(f)]
-    clashes = [rel for rel in new_files if (onto / rel).exists()]
+    clashes = [rel for rel in new_files if git(onto, "cat-file", "-e", f"{base}:{rel}", check=False).returncode == 0]
     if clashes:
         raise PatchsetError(f"{clashes[0]} already exists in {onto}; a new file of the patch set cannot replace it")
-    branch = branch or "patchset/" + patch.name.removesuffix(".patch").split("-", 1)[-1]
-    git(onto, "checkout", "-q", "-b", branch, isolated=False)
+    branch = branch or branch_name(patch)
+    exists = git(onto, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False).returncode == 0
+    if exists and not force:
+        raise PatchsetError(f"{onto}: branch {branch} exists; pass --force to recreate it from {base}")
+    original = _head(onto)
+    previous = out(onto, "rev-parse", branch, isolated=False) if exists else None
+    git(onto, "checkout", "-q", "-B" if force else "-b", branch, base, isolated=False)
     try:
-        if git(onto, "am", "-q", "-3", str(patch.path), check=False, isolated=False).returncode != 0:
-            git(onto, "am", "--abort", check=False, isolated=False)
-            head = out(onto, "rev-parse", "--short", "HEAD", isolated=False)
-            raise PatchsetError(f"{patch.name} does not apply to {onto} ({head})")
-        for rel in new_files:
-            (onto / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(project / rel, onto / rel)
-        for entry in patch.changelog:
-            changelog = onto / CHANGELOG_PATHS[entry.package]
-            if not changelog.is_file():
-                raise PatchsetError(f"{CHANGELOG_PATHS[entry.package]} is missing in {onto}")
-            changelog.write_text(insert_changelog(changelog.read_text(encoding="utf-8"), entry), encoding="utf-8")
-        git(onto, "add", "-A", isolated=False)
-        message = _clean_message(out(onto, "log", "-1", "--format=%B", isolated=False))
-        git(onto, "commit", "-q", "--amend", "--no-verify", "-F", "-", input=message.encode(), isolated=False)
-    except PatchsetError:
-        git(onto, "add", "-A", check=False, isolated=False)
-        git(onto, "reset", "-q", "--hard", check=False, isolated=False)
-        git(onto, "checkout", "-q", "-", check=False, isolated=False)
-        git(onto, "branch", "-q", "-D", branch, check=False, isolated=False)
+        _commit(project, patch, onto, new_files, who)
+    except PatchsetError as err:
+        left = _restore(onto, original, branch, previous)
+        if left:
+            raise PatchsetError(f"{err}\nand {onto} could not be put back: {left}") from err
         raise
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         git(onto, "format-patch", "-q", "-1", "-o", str(out_dir.resolve()), "HEAD", isolated=False)
     return branch
+
+
+def _commit(project: Path, patch: Patch, onto: Path, new_files: list[str], author: str) -> None:
+    """Apply the whole patch (upstream-only sections too), add its new files and CHANGELOG entries, in one commit."""
+    identity = git(onto, "config", "user.email", check=False, isolated=False).returncode == 0 or any(
+        os.environ.get(k) for k in ("GIT_COMMITTER_EMAIL", "EMAIL")
+    )
+    name, _, address = author.partition(" <")
+    # a maintainer's own identity commits; a checkout with none (CI) commits as the author
+    env = None if identity else {"GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": address.rstrip(">")}
+    proc = am(onto, "-3", "--keep-cr", str(patch.path), isolated=False, env=env)
+    if proc.returncode != 0:
+        # git's own account (which file conflicts, and how), without its advice on an am session we abort
+        lines = (proc.stdout + proc.stderr).decode(errors="replace").splitlines()
+        detail = "\n".join(line for line in lines if "git am " not in line and "resolved this problem" not in line)
+        raise PatchsetError(f"{patch.name} does not apply to {onto}; git said:\n{detail}")
+    for rel in new_files:
+        (onto / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(project / rel, onto / rel)
+    for entry in patch.changelog:
+        changelog = onto / CHANGELOG_PATHS[entry.package]
+        if not changelog.is_file():
+            raise PatchsetError(f"{CHANGELOG_PATHS[entry.package]} is missing in {onto}")
+        changelog.write_text(insert_changelog(changelog.read_text(encoding="utf-8"), entry), encoding="utf-8")
+    git(onto, "add", "-A", isolated=False)
+    message = _clean_message(out(onto, "log", "-1", "--format=%B", isolated=False))
+    cmd = ["commit", "-q", "--amend", "--no-verify", f"--author={author}", "-F", "-"]
+    proc = git(onto, *cmd, check=False, input=message.encode(), isolated=False, env=env)
+    if proc.returncode != 0:
+        raise PatchsetError(f"git commit failed in {onto}: {proc.stderr.decode(errors='replace').strip()}")

@@ -1,0 +1,163 @@
+"""Upstream-only sections: hunks for upstream files the sdist does not ship, carried by a patch for its upstream PR.
+
+Real git throughout: the upstream checkout is a repository made from the real sdist plus upstream files the sdist
+leaves out (a conftest, a docs index), as upstream's own repository has them.
+"""
+
+from pathlib import Path
+
+import pytest
+from patchset_helpers import git, write
+
+from patchset import PatchsetError
+from patchset.check import check, check_upstream
+from patchset.export import export
+from patchset.import_pr import import_pr
+from patchset.materialize import WORKSPACE, base_repo, materialize_workspace, patched_tree
+from patchset.pin import read_pin
+from patchset.sections import read_note, split_patch
+from patchset.series import read_series
+from patchset.upstream_pr import upstream_pr
+
+AUTHOR = "Lightning patch set <maintainers@users.noreply.a-seed-28b837d4.example>"
+MESSAGE = """fabric: note the demo in the conftest
+
+The demo needs a line in upstream's conftest.
+
+Forwarded: no
+New-Files: src/lightning/fabric/utilities/_demo.py
+Changelog: fabric Added: Added the demo
+"""
+CONFTEST = "tests/tests_fabric/conftest.py"
+
+
+@pytest.fixture(autouse=True)
+def project_identity(monkeypatch):
+    """Commits carry the project's identity, as the series' patches do (the tests' default is a placeholder)."""
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", "maintainers@users.noreply.a-seed-28b837d4.example")
+
+
+@pytest.fixture
+def upstream(project: Path, tmp_path: Path) -> Path:
+    """An upstream checkout: the sdist's files plus files only upstream's repository has."""
+    onto = tmp_path / "upstream"
+    base_repo(read_pin(project), onto)
+    write(onto / CONFTEST, "import pytest\n\n\ndef pytest_configure(config):\n    pass\n")
+    write(onto / "docs/source-fabric/index.rst", "Fabric\n======\n\n.. toctree::\n\n   api\n")
+    git(onto, "add", "-A")
+    git(onto, "commit", "-qm", "upstream's repository has tests and docs")
+    return onto
+
+
+@pytest.fixture
+def demo(project: Path, upstream: Path) -> Path:
+    """A patch made in the workspace, then given an upstream-only conftest hunk on its PR branch and imported."""
+    write(project / "src/lightning/fabric/utilities/_demo.py", "VALUE = 1\n")
+    workspace = materialize_workspace(project)
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + "from lightning.fabric.utilities._demo import VALUE  # noqa: F401\n")
+    git(workspace, "commit", "-qam", MESSAGE)
+    export(project)
+    upstream_pr(project, "2", upstream)
+    conftest = upstream / CONFTEST
+    conftest.write_text(conftest.read_text().replace("    pass\n", "    config.addinivalue_line('markers', 'demo')\n"))
+    git(upstream, "commit", "-qa", "--amend", "--no-edit")
+    result = import_pr(project, "2", upstream)
+    assert (result.upstream_only, result.new_files, result.not_taken) == (
+        [CONFTEST],
+        ["src/lightning/fabric/utilities/_demo.py"],
+        [],
+    )
+    git(upstream, "checkout", "-q", "main")
+    return project
+
+
+def test_a_patch_carries_upstream_only_sections_through_the_whole_workflow(demo: Path, upstream: Path):
+    patch = read_series(demo)[1].path
+    data = patch.read_bytes()
+    paths = [s.path for s in split_patch(data)[1]]
+    assert paths == ["src/lightning/fabric/utilities/__init__.py", CONFTEST]  # git's order
+    assert b"+    config.addinivalue_line('markers', 'demo')" in data
+
+    # the fork's build skips it (the sdist has no tests/), the workspace keeps it as a note
+    assert not (patched_tree(demo) / "tests").exists()
+    workspace = demo / WORKSPACE
+    assert not (workspace / "tests").exists()
+    assert [s.path for s in read_note(workspace, "HEAD")] == [CONFTEST]
+    assert all(f.ok for f in check(demo)), [f.message for f in check(demo) if not f.ok]
+    assert export(demo, check=True) == []
+
+    # editing the patch's other hunks in the workspace (amend) keeps the upstream-only section byte for byte
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + "# amended\n")
+    git(workspace, "commit", "-qa", "--amend", "--no-edit")
+    assert export(demo) == [patch.name]
+    after = patch.read_bytes()
+    assert b"+# amended" in after
+    old_conftest = next(s for s in split_patch(data)[1] if s.path == CONFTEST)
+    assert old_conftest in split_patch(after)[1]
+
+    # ... and so does a rebase of the series in the workspace
+    git(workspace, "rebase", "-q", "--force-rebase", "upstream")
+    assert export(demo, check=True) == []
+
+    # upstream-pr applies it
+    upstream_pr(demo, "2", upstream, force=True)
+    assert "addinivalue_line('markers', 'demo')" in (upstream / CONFTEST).read_text()
+    changed = git(upstream, "show", "--name-only", "--format=", "HEAD").splitlines()
+    assert CONFTEST in changed
+    assert all(f.ok for f in check_upstream(demo, upstream, "main"))
+
+
+def test_a_patch_of_only_upstream_only_sections_is_an_empty_commit_in_the_workspace(project: Path, upstream: Path):
+    write(project / "src/lightning/fabric/utilities/_demo.py", "VALUE = 1\n")
+    workspace = materialize_workspace(project)
+    git(workspace, "commit", "-q", "--allow-empty", "-m", MESSAGE)
+    export(project)
+    upstream_pr(project, "2", upstream)
+    (upstream / CONFTEST).write_text("# only a conftest change\n")
+    git(upstream, "commit", "-qa", "--amend", "--no-edit")
+    import_pr(project, "2", upstream)
+    patch = read_series(project)[1].path
+    assert [s.path for s in split_patch(patch.read_bytes())[1]] == [CONFTEST]
+    assert git(project / WORKSPACE, "diff", "--stat", "HEAD~1", "HEAD") == ""
+    assert export(project, check=True) == []
+    assert all(f.ok for f in check(project))
+
+
+def test_check_upstream_names_what_does_not_apply(demo: Path, upstream: Path):
+    (upstream / CONFTEST).write_text("# upstream rewrote its conftest\n")
+    git(upstream, "commit", "-qam", "upstream moved on")
+    findings = [f for f in check_upstream(demo, upstream) if f.name.startswith("0002")]
+    assert len(findings) == 1
+    assert not findings[0].ok
+    assert f"does not apply to main: error: patch failed: {CONFTEST}:2" in findings[0].message
+
+
+def test_check_upstream_refuses_a_new_file_upstream_already_has(demo: Path, upstream: Path):
+    write(upstream / "src/lightning/fabric/utilities/_demo.py", "# upstream's own\n")
+    git(upstream, "add", "-A")
+    git(upstream, "commit", "-qm", "upstream added it")
+    (finding,) = check_upstream(demo, upstream)
+    assert not finding.ok
+    assert "its new file src/lightning/fabric/utilities/_demo.py exists in main" in finding.message
+
+
+def test_import_pr_leaves_files_the_sdist_ships_to_the_workspace(demo: Path, upstream: Path):
+    upstream_pr(demo, "2", upstream, force=True)
+    init = upstream / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + "# edited on the branch\n")
+    git(upstream, "commit", "-qa", "--amend", "--no-edit")
+    before = read_series(demo)[1].path.read_bytes()
+    result = import_pr(demo, "2", upstream)
+    assert result.not_taken == ["src/lightning/fabric/utilities/__init__.py"]
+    assert read_series(demo)[1].path.read_bytes() == before
+
+
+def test_import_pr_refuses_unexported_work(demo: Path, upstream: Path):
+    (demo / WORKSPACE / "src/lightning/__init__.py").write_text("# not exported\n")
+    git(demo / WORKSPACE, "commit", "-qam", "wip\n\nWhy.\n\nForwarded: no")
+    with pytest.raises(PatchsetError, match="has work not exported"):
+        import_pr(demo, "2", upstream)

@@ -1,0 +1,308 @@
+"""Run upstream's own tests on a patch's PR branch and on its base, and record the outcome in the docs.
+
+The PR branch is made with ``upstream-pr`` in an upstream checkout. The checkout is installed as upstream's CI
+installs it (CPU torch, then the package with its ``<pkg>-test`` extra, which reads ``requirements/<pkg>/test.txt``
+as pinned there), editable, so that the same environment tests the branch and the base. The patch's tests run on the
+branch, then on the base without the patch; a failure on the branch that the base does not share is caused by the
+patch. Tests that upstream marks standalone run one per process, as upstream's CI runs them, with gloo on the CPU.
+
+The record goes into :data:`PAGE`, one section per patch, naming the upstream commit and the patch's blob hash, so
+that CI (which cannot reach upstream) can tell whether the page describes the patches as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchset import PatchsetError
+from patchset.gitops import git, is_clean, out
+from patchset.pin import cache_dir
+from patchset.series import Patch
+from patchset.upstream_pr import _head, find_patch, upstream_pr
+
+PAGE = Path("docs") / "upstream-tests.md"
+# What each kind of patch runs: the whole CPU suite of fabric; the parts of pytorch that checkpointing touches.
+SELECTIONS = {
+    "fabric": ["tests/tests_fabric"],
+    "pytorch": [
+        "tests/tests_pytorch/checkpointing",
+        "tests/tests_pytorch/callbacks",
+        "tests/tests_pytorch/trainer/connectors",
+        "tests/tests_pytorch/core",
+        "tests/tests_pytorch/loops",
+        "tests/tests_pytorch/trainer/optimization",
+    ],
+}
+_TIMEOUT = 300  # per test, as pytest-timeout (upstream's CI uses 60 s on faster machines)
+_BEGIN = "<!-- upstream-tests: {} -->"
+_END = "<!-- /upstream-tests -->"
+
+
+@dataclass
+class Outcome:
+    """One test's result: ``passed``, ``failed`` (errors included) or ``skipped``, and a one-line reason."""
+
+    nodeid: str
+    outcome: str
+    reason: str = ""
+
+
+@dataclass
+class Record:
+    """What one ``upstream-tests`` run found for one patch."""
+
+    patch: str
+    blob: str
+    package: str
+    upstream: str
+    base: str
+    torch: str
+    selection: list[str]
+    branch: dict[str, Outcome] = field(default_factory=dict)
+    on_base: dict[str, Outcome] = field(default_factory=dict)
+    base_runs: str = "all"
+    seconds: float = 0.0
+    upstream_subject: str = ""
+
+    def counts(self, results: dict[str, Outcome]) -> dict[str, int]:
+        """Passed, failed and skipped."""
+        return {kind: sum(o.outcome == kind for o in results.values()) for kind in ("passed", "failed", "skipped")}
+
+    @property
+    def failures(self) -> list[tuple[Outcome, bool]]:
+        """Each failure on the branch, with whether the patch caused it (the base passed or lacks the test)."""
+        failed = [o for o in self.branch.values() if o.outcome == "failed"]
+        return [(o, self.on_base.get(o.nodeid, Outcome(o.nodeid, "missing")).outcome != "failed") for o in failed]
+
+    @property
+    def caused(self) -> list[Outcome]:
+        """The failures the patch caused."""
+        return [o for o, caused in self.failures if caused]
+
+    def summary(self) -> str:
+        """Two lines for the terminal."""
+        b, a = self.counts(self.branch), self.counts(self.on_base)
+        return (
+            f"{self.patch}: branch {b['passed']} passed, {b['failed']} failed, {b['skipped']} skipped;"
+            f" base {a['passed']} passed, {a['failed']} failed, {a['skipped']} skipped\n"
+            f"failures caused by the patch: {len(self.caused)}; recorded in {PAGE}"
+        )
+
+    def markdown(self) -> str:
+        """The patch's section of :data:`PAGE`."""
+        b, a = self.counts(self.branch), self.counts(self.on_base)
+        base_what = "the same selection" if self.base_runs == "all" else "the tests that failed on the branch"
+        lines = [
+            _BEGIN.format(self.patch),
+            f"## {self.patch}",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| patch blob | `{self.blob}` |",
+            f"| upstream commit | `{self.upstream}` ({self.base}: {self.upstream_subject}) |",
+            f"| installed as | `{self.package}` with torch {self.torch} (CPU), `{self.package}-test` extra, Python"
+            f" {sys.version_info.major}.{sys.version_info.minor} |",
+            f"| selection | {', '.join(f'`{s}`' for s in self.selection)}, their standalone tests one per process |",
+            f"| on the PR branch | {b['passed']} passed, {b['failed']} failed, {b['skipped']} skipped |",
+            f"| on the base ({base_what}) | {a['passed']} passed, {a['failed']} failed, {a['skipped']} skipped |",
+            f"| failures caused by the patch | **{len(self.caused)}** |",
+            f"| wall time | {self.seconds / 60:.0f} min |",
+            "",
+        ]
+        if self.failures:
+            lines += ["| failing test | cause | reason |", "|---|---|---|"]
+            for outcome, caused in sorted(self.failures, key=lambda f: f[0].nodeid):
+                cause = "**the patch**" if caused else "pre-existing (fails on the base too)"
+                lines.append(f"| `{outcome.nodeid}` | {cause} | {_cell(outcome.reason)} |")
+            lines.append("")
+        lines.append(_END)
+        return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:160]
+
+
+def blob_hash(path: Path) -> str:
+    """The patch file's git blob id (what ``git hash-object`` prints)."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def package_of(patch: Patch) -> str:
+    """``fabric`` or ``pytorch``: from the patch's CHANGELOG entries, else its subject's prefix."""
+    packages = {entry.package for entry in patch.changelog} or {patch.subject.split(":", 1)[0].strip()}
+    if len(packages) != 1 or not packages <= set(SELECTIONS):
+        raise PatchsetError(f"{patch.name}: cannot tell whether it is a fabric or a pytorch patch ({packages})")
+    return packages.pop()
+
+
+def parse_junit(path: Path) -> dict[str, Outcome]:
+    """Outcomes by node id from a pytest ``--junitxml`` report (xunit1)."""
+    results: dict[str, Outcome] = {}
+    if not path.is_file():
+        return results
+    for case in ET.parse(path).iter("testcase"):
+        file = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        nodeid = f"{file}::{case.get('name')}"
+        outcome, reason = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, reason = "failed", _reason(child)
+                break
+            if child.tag == "skipped":
+                outcome, reason = "skipped", child.get("message", "")
+        if results.get(nodeid, Outcome(nodeid, "passed")).outcome != "failed":  # an error in teardown stays
+            results[nodeid] = Outcome(nodeid, outcome, reason)
+    return results
+
+
+def _reason(element: ET.Element) -> str:
+    message = (element.get("message") or element.text or "").strip()
+    return message.splitlines()[0] if message else element.tag
+
+
+def environment(onto: Path, package: str, torch: str) -> Path:
+    """A venv (cached per checkout, torch and requirements) with the checkout installed editable, as CI installs it."""
+    reqs = sorted((onto / "requirements").rglob("*.txt"))
+    key = hashlib.sha256(str(onto).encode() + torch.encode() + b"".join(p.read_bytes() for p in reqs))
+    venv = cache_dir() / "upstream-venvs" / f"{package}-{key.hexdigest()[:16]}"
+    python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    if (venv / ".complete").is_file():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    env = {**os.environ, "PACKAGE_NAME": "lightning", "FREEZE_REQUIREMENTS": "1"}
+    for step in (
+        ["install", "-q", "--upgrade", "pip"],
+        ["install", "-q", f"torch=={torch}"],
+        ["install", "-q", "-e", f"{onto}[{package}-test]"],
+    ):
+        proc = subprocess.run([str(python), "-m", "pip", *step], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise PatchsetError(f"pip {' '.join(step)} failed:\n{proc.stderr[-2000:]}")
+    (venv / ".complete").write_text(torch + "\n")
+    return python
+
+
+def run_selection(python: Path, onto: Path, selection: list[str], report: Path) -> dict[str, Outcome]:
+    """Run the selection, then its standalone tests one per process; outcomes by node id."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "PYTEST_", "COV_"))}
+    env.update({"PL_RUN_CUDA_TESTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"})
+    common = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--timeout={_TIMEOUT}"]
+    common += ["-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
+    proc = subprocess.run([str(python), *common, f"--junitxml={report}", *selection], cwd=onto, env=env)
+    results = parse_junit(report)
+    if proc.returncode not in (0, 1) or not results:
+        raise PatchsetError(f"pytest could not run {' '.join(selection)} in {onto} (exit code {proc.returncode})")
+    standalone = {**env, "PL_RUN_STANDALONE_TESTS": "1"}
+    listed = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *selection],
+        cwd=onto,
+        env=standalone,
+        capture_output=True,
+        text=True,
+    ).stdout
+    for i, nodeid in enumerate(line for line in listed.splitlines() if "::" in line and " " not in line):
+        single = report.with_name(f"{report.stem}-standalone-{i}.xml")
+        subprocess.run([str(python), *common, f"--junitxml={single}", nodeid], cwd=onto, env=standalone)
+        results.update(parse_junit(single))
+    return results
+
+
+def run_upstream_tests(
+    project: Path,
+    ref: str,
+    onto: Path,
+    base: str | None = None,
+    torch: str = "2.13.0",
+    python: str | None = None,
+    select: list[str] | None = None,
+    base_runs: str = "all",
+) -> Record:
+    """Make the PR branch, test it and its base, record the result in :data:`PAGE` and return it."""
+    patch = find_patch(project, ref)
+    package = package_of(patch)
+    selection = select or SELECTIONS[package]
+    if not is_clean(onto, isolated=False):
+        raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+    original = _head(onto)
+    branch = upstream_pr(project, ref, onto, base=base, force=True)
+    start_commit = out(onto, "rev-parse", f"{branch}~1", isolated=False)
+    record = Record(
+        patch=patch.name,
+        blob=blob_hash(patch.path),
+        package=package,
+        upstream=start_commit,
+        base=base or "upstream's default branch",
+        torch=torch,
+        selection=selection,
+        base_runs=base_runs,
+        upstream_subject=out(onto, "log", "-1", "--format=%s", start_commit, isolated=False),
+    )
+    started = time.monotonic()
+    interpreter = Path(python) if python else environment(onto, package, torch)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            record.branch = run_selection(interpreter, onto, selection, Path(tmp) / "branch.xml")
+            git(onto, "checkout", "-q", "--detach", start_commit, isolated=False)
+            again = selection
+            if base_runs == "failures":
+                again = sorted(o.nodeid for o in record.branch.values() if o.outcome == "failed")
+            if again:
+                record.on_base = run_selection(interpreter, onto, again, Path(tmp) / "base.xml")
+    finally:
+        git(onto, "checkout", "-q", "--force", original, isolated=False)
+    record.seconds = time.monotonic() - started
+    write_record(project, record)
+    return record
+
+
+def write_record(project: Path, record: Record) -> None:
+    """Put the record's section into :data:`PAGE`, replacing the patch's previous one, in series order."""
+    page = project / PAGE
+    text = page.read_text(encoding="utf-8") if page.is_file() else _HEADER
+    names = re.findall(r"<!-- upstream-tests: (\S+) -->", text)
+    found = {name: m.group(0) for name in names if (m := re.search(_section_pattern(name), text, flags=re.S))}
+    found[record.patch] = record.markdown()
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(_HEADER + "\n".join(found[name] + "\n" for name in sorted(found)), encoding="utf-8")
+
+
+def _section_pattern(name: str) -> str:
+    return re.escape(_BEGIN.format(name)) + r".*?" + re.escape(_END)
+
+
+def recorded_blobs(project: Path) -> dict[str, str]:
+    """The patch blob hash each section of :data:`PAGE` names, by patch file name."""
+    page = project / PAGE
+    if not page.is_file():
+        return {}
+    text = page.read_text(encoding="utf-8")
+    blobs = {}
+    for name in re.findall(r"<!-- upstream-tests: (\S+) -->", text):
+        match = re.search(_section_pattern(name), text, flags=re.S)
+        blob = re.search(r"\| patch blob \| `([0-9a-f]{40})` \|", match.group(0)) if match else None
+        if blob:
+            blobs[name] = blob.group(1)
+    return blobs
+
+
+_HEADER = """# Upstream's own tests on each pull request
+
+Written by `python -m patchset upstream-tests PATCH --onto <upstream checkout>`, not by hand. For each patch bound
+upstream, it makes the pull request's branch with `upstream-pr`, installs that checkout as upstream's CI does (CPU
+torch, the package with its test extra as pinned in upstream's `requirements/`), runs the upstream tests for what the
+patch touches on the branch and on the base without the patch, and records the result here. A failure on the branch
+is **caused by the patch** unless the base fails the same test. CI checks that every section names the patch's
+current blob hash (`git hash-object patches/<file>`), so a patch changed after its run shows up as stale.
+
+"""
