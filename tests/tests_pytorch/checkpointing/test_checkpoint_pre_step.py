@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -518,3 +519,36 @@ def test_weight_averaging_falls_back_to_the_live_weights_with_one_warning(tmp_pa
     assert ckpt._pre_step is None
     for path in ckpt.best_k_models:
         assert "pre_optimizer_step" not in load(path)
+
+
+@pytest.mark.skipif(not RequirementCache("torch>=2.7"), reason="FSDP2 runs on the CPU from torch 2.7")
+def test_model_parallel_strategy_falls_back_to_the_live_weights_with_one_warning(tmp_path):
+    from torch.distributed._composable.fsdp import fully_shard
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class Sharded(Net):
+        def configure_model(self):
+            fully_shard(self.head, mesh=self.device_mesh["data_parallel"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, monitor="score", every_n_train_steps=2, save_pre_optimizer_step_weights=True
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ModelParallelStrategy(),
+        max_steps=4,
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with recorded_warnings() as caught:
+        trainer.fit(Sharded(manual=False))
+    assert len(messages(caught, "`ModelParallelStrategy` builds the checkpoint's weights itself")) == 1
+    assert ckpt._pre_step is None
+    assert ckpt.best_k_models  # saved as without the option
