@@ -88,8 +88,11 @@ class _PreStepCapture:
         self._logged_last_batch = False
         self._logged_in_last_batch_of_epoch = False  # noted before the epoch's results are reset
         self._kind: Optional[str] = None  # how the score paired at the end of the previous batch
+        self._metric_key: Optional[tuple[int, int]] = None
+        self._metric: Optional[_ResultMetric] = None
         self._module_param_set: Optional[set[Tensor]] = None
-        self._reset_batch(trainer)
+        self._changes_module: dict[Optimizer, bool] = {}  # whether an optimizer owns trainable module parameters
+        self._reset_batch(trainer.global_step)
 
     @classmethod
     def start(cls, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> Optional["_PreStepCapture"]:
@@ -110,24 +113,26 @@ class _PreStepCapture:
         if self._global_handle is not None:
             self._global_handle.remove()
         self._handles, self._hooked, self._global_handle = [], [], None
+        self._module_param_set, self._changes_module = None, {}
         self._enabled = False
-        self._reset_batch(self._trainer)
+        self._reset_batch(self._trainer.global_step)
 
     # ------------------------------------------------------------------------------------------------------------
     # per batch
     # ------------------------------------------------------------------------------------------------------------
-    def _reset_batch(self, trainer: "pl.Trainer") -> None:
+    def _reset_batch(self, global_step: int) -> None:
         self._armed = False
         self._stepped = False  # an optimizer stepped trainable parameters of the module in this batch
         self._params: dict[Tensor, Tensor] = {}  # parameter -> its value before the batch's steps
         self._optimizer_states: dict[Optimizer, dict[Tensor, Optional[dict[str, Any]]]] = {}
         self._lr_schedulers: Optional[list[dict[str, Any]]] = None
-        self._global_step = trainer.global_step
+        self._global_step = global_step
 
     def start_batch(self, trainer: "pl.Trainer") -> None:
         """Re-arms the capture: in every batch in which a save may trigger, and with the optimizers of this batch."""
-        self._reset_batch(trainer)
-        metric = _monitored_metric(trainer, self._checkpoint.monitor)
+        global_step = trainer.global_step
+        self._reset_batch(global_step)
+        metric = self._monitored_metric(trainer)
         cache = None if metric is None else metric._forward_cache
         if cache is None and metric is not None and metric.has_reset:
             self._logged_last_batch = self._logged_in_last_batch_of_epoch  # a new epoch reset the results
@@ -149,38 +154,44 @@ class _PreStepCapture:
             metric is None and self._checkpoint.monitor in trainer._logger_connector._callback_metrics
         ):
             return  # the score does not pair with the pre-step weights: a validation score, say
-        self._armed = self._save_may_trigger(trainer)
+        self._armed = self._save_may_trigger(global_step)
         if self._armed:
             self._module_param_set = None  # read again: parameters may have been added to the module
 
     def end_epoch(self, trainer: "pl.Trainer") -> None:
         """Notes whether the monitored value was logged in the epoch's last batch, before the results are reset."""
-        metric = _monitored_metric(trainer, self._checkpoint.monitor)
+        metric = self._monitored_metric(trainer)
         cache = None if metric is None else metric._forward_cache
         self._logged_in_last_batch_of_epoch = cache is not None and cache is not self._cache_at_start
 
-    def _save_may_trigger(self, trainer: "pl.Trainer") -> bool:
+    def _save_may_trigger(self, global_step: int) -> bool:
         checkpoint = self._checkpoint
         if checkpoint._train_time_interval is not None:
             return True  # the clock decides at the end of the batch
         every_n = checkpoint._every_n_train_steps
         if self._max_steps_per_batch is None:
             return True  # how many steps a batch takes is not known yet
-        next_multiple = (trainer.global_step // every_n + 1) * every_n
-        return next_multiple <= trainer.global_step + self._max_steps_per_batch
+        next_multiple = (global_step // every_n + 1) * every_n
+        return next_multiple <= global_step + self._max_steps_per_batch
 
     def _on_any_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if not any(optimizer is hooked for hooked in self._hooked):  # the hooked ones are handled by `_on_step`
             self._on_step(optimizer, args, kwargs)
 
-    @torch.no_grad()
     def _on_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """Runs before ``optimizer.step()``: copies what this step is about to change, once per batch."""
         if not self._armed:
             if not self._stepped and self._enabled:
                 # not capturing: only note whether the module changes in this batch
-                self._stepped = any(True for _ in self._trainable(optimizer))
+                changes = self._changes_module.get(optimizer)
+                if changes is None:
+                    changes = self._changes_module[optimizer] = any(True for _ in self._trainable(optimizer))
+                self._stepped = changes
             return
+        with torch.no_grad():
+            self._copy_before(optimizer)
+
+    def _copy_before(self, optimizer: Optimizer) -> None:
         params = [p for p in self._trainable(optimizer) if p not in self._params]
         if not params:
             return  # nothing of the module, or copied before this optimizer's first step in the batch
@@ -210,6 +221,7 @@ class _PreStepCapture:
     def _module_params(self) -> set[Tensor]:
         if self._module_param_set is None:
             self._module_param_set = set(self._trainer.lightning_module.parameters())
+            self._changes_module = {}
         return self._module_param_set
 
     def _score_cannot_enter_top_k(self, trainer: "pl.Trainer") -> bool:
@@ -231,7 +243,7 @@ class _PreStepCapture:
     def _pairing(self, trainer: "pl.Trainer") -> tuple[Optional[str], Optional[Tensor]]:
         """How the monitored value, as it is now, pairs with the weights, and the value if it is known."""
         monitor = self._checkpoint.monitor
-        metric = _monitored_metric(trainer, monitor)
+        metric = self._monitored_metric(trainer)
         if metric is None:
             return None, None  # not logged in training: a validation score, saved with the live weights as usual
         meta = metric.meta
@@ -254,7 +266,8 @@ class _PreStepCapture:
         Called at the start of every ``ModelCheckpoint.on_train_batch_end``, whether it saves or not.
 
         """
-        steps = trainer.global_step - self._global_step
+        global_step = trainer.global_step
+        steps = global_step - self._global_step
         self._max_steps_per_batch = max(self._max_steps_per_batch or 0, steps)
         kind, _ = self._pairing(trainer)
         self._kind = kind
@@ -263,8 +276,24 @@ class _PreStepCapture:
         elif kind == _PRE and not self._armed:
             kind = _UNPAIRED  # not captured
         pairing = _Pairing(self, kind, self._params, self._optimizer_states, self._lr_schedulers, self._global_step)
-        self._reset_batch(trainer)  # the copies now live only as long as the pairing
+        self._reset_batch(global_step)  # the copies now live only as long as the pairing
         return pairing
+
+    def _monitored_metric(self, trainer: "pl.Trainer") -> Optional["_ResultMetric"]:
+        """The metric logged during training under the monitored name, if any; looked up again when one is added."""
+        results = trainer.fit_loop.epoch_loop._results
+        key = (id(results), len(results))
+        if self._metric_key != key:
+            from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+            monitor, found = self._checkpoint.monitor, None
+            for metric in results.values():
+                if isinstance(metric, _ResultMetric):
+                    meta = metric.meta
+                    if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
+                        found = metric
+            self._metric_key, self._metric = key, found
+        return self._metric
 
     def warn(self, message: str) -> None:
         self._warning_cache.warn(message)
@@ -393,19 +422,6 @@ def _clone_state(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         key: value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
         for key, value in state.items()
     }
-
-
-def _monitored_metric(trainer: "pl.Trainer", monitor: Optional[str]) -> Optional["_ResultMetric"]:
-    """The metric logged during training under the name ``monitor``, if any."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-
-    found = None
-    for metric in trainer.fit_loop.epoch_loop._results.values():
-        if isinstance(metric, _ResultMetric):
-            meta = metric.meta
-            if monitor in (meta.name, meta.forked_name(True), meta.forked_name(False)):
-                found = metric
-    return found
 
 
 def _unsupported_reason(trainer: "pl.Trainer", with_optimizer_states: bool) -> Optional[str]:
