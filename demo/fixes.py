@@ -52,7 +52,9 @@ def checkpoint_case() -> dict[str, Any]:
     data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1)
+        # the fork's one option (off by default: the copy costs memory); stock has no such argument
+        option = {"save_pre_optimizer_step_weights": True} if "+patchset" in lightning.__version__ else {}
+        best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1, **option)
         trainer = Trainer(
             max_steps=4,
             callbacks=[best],
@@ -157,7 +159,8 @@ def main() -> None:
     print("0001 build: the fork does not pull the unpatched pytorch-lightning distribution\n")
     stock = stock_env(lightning.__version__.split("+")[0])
 
-    print("0003 pytorch: manual optimization, ModelCheckpoint(monitor='loss', every_n_train_steps=1, save_top_k=1)")
+    print("0004 pytorch: manual optimization, ModelCheckpoint(monitor='loss', every_n_train_steps=1, save_top_k=1)")
+    print("     (the fork with save_pre_optimizer_step_weights=True)")
     print("     the best score was logged at one batch; the loss there of the weights in the best file:")
     fork = run("--checkpoint-case")
     rows = [("stock", run("--checkpoint-case", stock))] if stock else []
