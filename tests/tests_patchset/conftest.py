@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REPO, copy_project
+from patchset_helpers import PROJECT_EMAIL, REPO, copy_project
 
 from patchset.pin import CACHE_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
 
@@ -20,6 +20,15 @@ def git_identity(monkeypatch):
     for role in ("AUTHOR", "COMMITTER"):
         monkeypatch.setenv(f"GIT_{role}_NAME", "Patch Set Tests")
         monkeypatch.setenv(f"GIT_{role}_EMAIL", "tests@patchset.invalid")
+
+
+@pytest.fixture
+def project_identity(monkeypatch) -> str:
+    """Commit as the project, as the series' upstream-bound patches do (upstream-pr refuses a placeholder author)."""
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
+    return f"Lightning patch set <{PROJECT_EMAIL}>"
 
 
 @pytest.fixture(scope="session", autouse=True)

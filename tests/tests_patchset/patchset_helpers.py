@@ -8,6 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools"
+PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"  # the project's identity in its patches
 
 
 def project_files(root: Path) -> list[str]:

@@ -27,11 +27,8 @@ def _edit(patch: Path, old: str, new: str) -> None:
 
 
 @pytest.fixture
-def upstream_patch(project: Path, monkeypatch) -> Path:
+def upstream_patch(project: Path, project_identity: str) -> Path:
     """The project with a second, upstream-bound patch made in the workspace under the project's identity."""
-    for role in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
-        monkeypatch.setenv(f"GIT_{role}_EMAIL", "maintainers@users.noreply.a-seed-28b837d4.example")
     write(project / "src/lightning/fabric/utilities/_demo.py", "VALUE = 1\n")
     workspace = materialize_workspace(project)
     init = workspace / "src/lightning/fabric/utilities/__init__.py"

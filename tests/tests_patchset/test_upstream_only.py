@@ -19,7 +19,6 @@ from patchset.sections import read_note, split_patch
 from patchset.series import read_series
 from patchset.upstream_pr import upstream_pr
 
-AUTHOR = "Lightning patch set <maintainers@users.noreply.a-seed-28b837d4.example>"
 MESSAGE = """fabric: note the demo in the conftest
 
 The demo needs a line in upstream's conftest.
@@ -31,12 +30,7 @@ Changelog: fabric Added: Added the demo
 CONFTEST = "tests/tests_fabric/conftest.py"
 
 
-@pytest.fixture(autouse=True)
-def project_identity(monkeypatch):
-    """Commits carry the project's identity, as the series' patches do (the tests' default is a placeholder)."""
-    for role in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
-        monkeypatch.setenv(f"GIT_{role}_EMAIL", "maintainers@users.noreply.a-seed-28b837d4.example")
+pytestmark = pytest.mark.usefixtures("project_identity")  # upstream-pr refuses the tests' placeholder identity
 
 
 @pytest.fixture

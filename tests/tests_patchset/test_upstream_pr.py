@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import git, write
+from patchset_helpers import PROJECT_EMAIL, git, write
 
 from patchset import PatchsetError
 from patchset.export import export
@@ -14,7 +14,6 @@ from patchset.pin import read_pin
 from patchset.series import ChangelogEntry
 from patchset.upstream_pr import insert_changelog, upstream_pr
 
-PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"
 MESSAGE = """fabric: add a demo helper
 
 Why: the demo needs it.
@@ -27,12 +26,7 @@ Changelog: fabric Fixed: Fixed the demo ([#21308](https://github.com/Lightning-A
 """
 
 
-@pytest.fixture(autouse=True)
-def project_identity(monkeypatch):
-    """Patches carry the project's identity (the tests' default one is a placeholder, which upstream-pr refuses)."""
-    for role in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
-        monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
+pytestmark = pytest.mark.usefixtures("project_identity")  # upstream-pr refuses the tests' placeholder identity
 
 
 @pytest.fixture
