@@ -115,7 +115,7 @@ def test_port_variables_accept_only_ascii_port_numbers(monkeypatch, name, value)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"Invalid {name}="):
-        LightningEnvironment().main_port  # noqa: B018
+        _ = LightningEnvironment().main_port
 
 
 @linux_only
@@ -308,6 +308,19 @@ def test_mpi_rank_zero_holds_the_port(monkeypatch):
             assert env._comm_world.bcast.call_args.args[0] is None
             assert env._port_reservation is None
             assert port == 12345
+
+
+def test_mpi_rank_zero_uses_standalone_port_as_given(monkeypatch):
+    import lightning.fabric.plugins.environments.mpi as mpi
+
+    monkeypatch.setattr(mpi, "_MPI4PY_AVAILABLE", True)
+    monkeypatch.setenv("STANDALONE_PORT", "12321")
+    with mock.patch.dict("sys.modules", {"mpi4py": mock.MagicMock()}):
+        env = MPIEnvironment()
+    env._comm_world.Get_rank.return_value = 0
+    env._comm_world.bcast.side_effect = lambda value, root: value
+    assert env.main_port == 12321
+    assert env._port_reservation is None
 
 
 _DDP_SCRIPT = textwrap.dedent(
