@@ -23,9 +23,13 @@ import textwrap
 from datetime import timedelta
 
 import pytest
+from lightning_utilities.core.imports import RequirementCache
 from torch.distributed import TCPStore
 
 from lightning.fabric.utilities.testing.port_reruns import _is_port_conflict
+
+#: 16.7 matches ``only_rerun`` against the exception chain and has ``--reruns-mode`` and an ``only_rerun`` ini key
+_RERUNFAILURES_16_7 = RequirementCache("pytest-rerunfailures>=16.7")
 
 _CONFTEST = textwrap.dedent(
     """
@@ -57,7 +61,9 @@ _CONFLICT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, test_source, *args, env=None, conftest=_CONFTEST):
+def _run(tmp_path, test_source, *args, env=None, conftest=_CONFTEST, ini=None):
+    if ini is not None:
+        (tmp_path / "pytest.ini").write_text(ini)
     (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "conflict.py").write_text(_CONFLICT)
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(test_source))
@@ -95,20 +101,97 @@ _FAIL_ONCE = """
 """
 
 
+_MIXED = """
+    import os
+    from conflict import store_on_busy_port
+
+    def attempt(name):
+        with open(os.path.join(os.environ["OUT"], f"attempts-{name}"), "a") as f:
+            f.write("x")
+        return len(open(os.path.join(os.environ["OUT"], f"attempts-{name}")).read())
+
+    def test_assert_twice():
+        assert attempt("assert_twice") > 2
+
+    def test_timeout_once():
+        if attempt("timeout_once") == 1:
+            raise TimeoutError("rendezvous timed out")
+
+    def test_port_once():
+        if attempt("port_once") == 1:
+            store_on_busy_port()
+
+    def test_always_fails():
+        attempt("always_fails")
+        raise ValueError("a real bug")
+"""
+_NEW_RERUNFAILURES = pytest.mark.skipif(not _RERUNFAILURES_16_7, reason="options of pytest-rerunfailures 16.7")
+
+
 @pytest.mark.parametrize(
-    ("args", "expected"),
+    ("args", "ini", "expected"),
     [
-        # the suite reruns everything twice: a connection reset and then a port conflict are both rerun
-        (["--reruns", "2"], {"passed": 1, "rerun": 2}),
-        # the suite reruns connection resets only: its pattern is kept, port conflicts are added
-        (["--reruns", "1", "--only-rerun", "ConnectionResetError"], {"passed": 1, "rerun": 2}),
-        # no rerun settings of its own: only the port conflict would be rerun, the reset fails the test
-        ([], {"failed": 1}),
+        # no rerun settings of the suite's own: only the port conflict is rerun, with the plugin's count
+        ([], None, {"assert_twice": 1, "timeout_once": 1, "port_once": 2, "always_fails": 1}),
+        # the suite reruns every failure once: that stays so, port conflicts included
+        (["--reruns", "1"], None, {"assert_twice": 2, "timeout_once": 2, "port_once": 2, "always_fails": 2}),
+        # the suite reruns assertion failures once: its count and pattern are kept, port conflicts are added
+        (
+            ["--reruns", "1", "--only-rerun", "AssertionError"],
+            None,
+            {"assert_twice": 2, "timeout_once": 1, "port_once": 2, "always_fails": 1},
+        ),
+        pytest.param(
+            ["--reruns", "1", "--reruns-mode", "append"],
+            None,
+            {"assert_twice": 2, "timeout_once": 2, "port_once": 2, "always_fails": 2},
+            marks=_NEW_RERUNFAILURES,
+        ),
+        pytest.param(
+            ["--reruns-mode", "append"],
+            None,
+            {"assert_twice": 1, "timeout_once": 1, "port_once": 2, "always_fails": 1},
+            marks=_NEW_RERUNFAILURES,
+        ),
+        pytest.param(
+            [],
+            "[pytest]\nreruns = 1\nonly_rerun = TimeoutError\n",
+            {"assert_twice": 1, "timeout_once": 2, "port_once": 2, "always_fails": 1},
+            marks=_NEW_RERUNFAILURES,
+        ),
     ],
+    ids=["none", "reruns", "only-rerun", "append", "append-no-reruns", "ini-only-rerun"],
 )
-def test_suite_rerun_settings_are_merged_not_overridden(tmp_path, args, expected):
-    result = _run(tmp_path, _FAIL_ONCE, *args)
+def test_suite_rerun_settings_stay_in_force_for_other_failures(tmp_path, args, ini, expected):
+    result = _run(tmp_path, _MIXED, *args, ini=ini)
+    attempts = {name: len((tmp_path / f"attempts-{name}").read_text()) for name in expected}
+    assert attempts == expected, result.stdout[-3000:]
+
+
+_WRAPPED = """
+    import os, socket
+
+    def test_wrapped_conflict():
+        attempts = os.path.join(os.environ["OUT"], "attempts")
+        with open(attempts, "a") as f:
+            f.write("x")
+        if len(open(attempts).read()) == 1:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", 0))
+                a.listen(1)
+                try:
+                    b.bind(("127.0.0.1", a.getsockname()[1]))
+                except OSError as ex:
+                    raise RuntimeError("failed to initialize the process group") from ex
+"""
+
+
+def test_wrapped_conflict_is_reported_only_where_it_is_rerun(tmp_path):
+    """pytest-rerunfailures matches the exception chain from 16.7 on, only the raised exception below."""
+    result = _run(tmp_path, _WRAPPED)
+    expected = {"passed": 1, "rerun": 1} if _RERUNFAILURES_16_7 else {"failed": 1}
     assert _outcome(result) == expected, result.stdout[-3000:]
+    assert ("port conflicts" in result.stdout) == bool(_RERUNFAILURES_16_7)
 
 
 _END_TO_END = """
@@ -219,7 +302,7 @@ def test_recognizes_real_port_conflicts_only():
     assert _is_port_conflict(bind_error.value)
     wrapped = RuntimeError("launch failed")
     wrapped.__cause__ = store_error
-    assert _is_port_conflict(wrapped)
+    assert _is_port_conflict(wrapped) == bool(_RERUNFAILURES_16_7)
     assert not _is_port_conflict(RuntimeError("rendezvous timed out"))
     assert not _is_port_conflict(AssertionError(f"unexpected: {store_error}"))
     suppressed = RuntimeError("other")

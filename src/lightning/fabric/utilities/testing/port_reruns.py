@@ -13,14 +13,14 @@
 # limitations under the License.
 """A pytest plugin that reruns tests which failed because a network port was taken (``EADDRINUSE``).
 
-Enable it with ``port_reruns.register(config)`` in ``pytest_configure(config)`` of any ``conftest.py``. Tests without
-a ``flaky`` marker of their own are marked for pytest-rerunfailures (12 or newer; from 16.7 on, a conflict anywhere in
-the exception chain counts), merged with the suite's settings: the larger of ``--reruns`` and
-``PL_PORT_CONFLICT_RERUNS`` (default 2, ``0`` turns it off) applies, and ``--only-rerun`` patterns are kept, with port
-conflicts added. Before a rerun, the failed attempt's launcher children (started during it with ``LOCAL_RANK`` set;
-Linux) are killed, the process group is destroyed and ``MASTER_PORT`` is put back. Conflicts go into the report's
-``user_properties`` as ``("port_conflict", nodeid)``, which reach the pytest-xdist controller, and into a "port
-conflicts" section of the terminal summary.
+Enable it with ``port_reruns.register(config)`` in ``pytest_configure(config)`` of any ``conftest.py``; it needs
+pytest-rerunfailures 12 or newer. The suite's rerun settings stay in force for other failures: if it reruns all
+failures, port conflicts are rerun with them. Otherwise tests without a ``flaky`` marker get one that reruns port
+conflicts (from 16.7 on anywhere in the exception chain) up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0``
+turns it off), or, if the suite reruns ``only_rerun`` patterns, its count and patterns plus port conflicts. Before a
+rerun, the failed attempt's launcher children (started during it with ``LOCAL_RANK`` set; Linux) get SIGKILL, the
+process group is destroyed and ``MASTER_PORT`` is put back. Conflicts go into the report's ``user_properties`` as
+``("port_conflict", nodeid)``, which reach the pytest-xdist controller, and into the terminal summary.
 
 """
 
@@ -44,6 +44,7 @@ PORT_CONFLICT_PATTERN = (
 _NAME = "lightning_port_reruns"
 _ENV = "PL_PORT_CONFLICT_RERUNS"
 _RERUNFAILURES_12 = RequirementCache("pytest-rerunfailures>=12")
+_RERUNFAILURES_CHAINS = RequirementCache("pytest-rerunfailures>=16.7")  # ``only_rerun`` matches the whole chain
 _attempt_key = pytest.StashKey[tuple[float, Any]]()
 
 
@@ -68,11 +69,17 @@ class _PortConflictReruns:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         if not self.reruns:
             return
-        user_reruns = _user_setting(config, "reruns", int)
-        only_rerun = config.getoption("only_rerun", None) or []
-        kwargs = {"reruns": max(self.reruns, user_reruns), "reruns_delay": _user_setting(config, "reruns_delay", float)}
-        if only_rerun or not user_reruns:  # otherwise the suite reruns every failure, port conflicts included
-            kwargs["only_rerun"] = [*only_rerun, PORT_CONFLICT_PATTERN]
+        user_reruns = config.getoption("force_reruns", None) or _user_setting(config, "reruns", int) or 0
+        only_rerun = _user_setting(config, "only_rerun", list) or []
+        if user_reruns and not only_rerun:  # the suite reruns every failure, port conflicts included
+            return
+        patterns = [*only_rerun, PORT_CONFLICT_PATTERN] if user_reruns else [PORT_CONFLICT_PATTERN]
+        kwargs: dict[str, Any] = {"reruns": user_reruns or self.reruns, "only_rerun": patterns}
+        if config.getoption("reruns_mode", None) == "append":  # the marker's count is added to the suite's
+            kwargs["reruns"] -= user_reruns
+        for name in ("reruns_delay", "reruns_delay_backoff_factor"):  # the marker hides the suite's settings
+            if (value := _user_setting(config, name, float)) is not None:
+                kwargs[name] = value
         for item in items:
             if item.get_closest_marker("flaky") is None:
                 item.add_marker(pytest.mark.flaky(**kwargs))
@@ -105,18 +112,21 @@ class _PortConflictReruns:
                 terminalreporter.write_line(f"{nodeid}: EADDRINUSE")
 
 
-def _user_setting(config: pytest.Config, name: str, convert: Callable[[str], Any]) -> Any:
+def _user_setting(config: pytest.Config, name: str, convert: Callable[[Any], Any]) -> Any:
     value = config.getoption(name, None)
     if value is None:
         with contextlib.suppress(ValueError, TypeError):  # an unknown or empty ini key
             value = convert(config.getini(name))
-    return value or 0
+    return value
 
 
-def _is_port_conflict(exception: BaseException) -> bool:
+def _is_port_conflict(exception: BaseException | None) -> bool:
+    """Whether pytest-rerunfailures' ``only_rerun`` would match the port-conflict pattern."""
     while exception is not None:
         if re.search(PORT_CONFLICT_PATTERN, f"{type(exception).__name__}: {exception}"):
             return True
+        if not _RERUNFAILURES_CHAINS:
+            return False
         exception = exception.__cause__ or (None if exception.__suppress_context__ else exception.__context__)
     return False
 
@@ -127,7 +137,7 @@ def _clock() -> float:
 
 
 def _kill_launcher_children_since(started: float) -> None:
-    """Kill the children of this process started since ``started`` with ``LOCAL_RANK`` in their environment."""
+    """SIGKILL the children of this process started since ``started`` with ``LOCAL_RANK`` in their environment."""
     for entry in os.listdir("/proc") if started else []:
         with contextlib.suppress(OSError, IndexError, ValueError):
             with open(f"/proc/{entry}/stat") as f:
