@@ -332,7 +332,7 @@ class _Pairing:
             if checkpoint.check_monitor_top_k(trainer, candidates.get(monitor)):
                 capture.warn(
                     f"`ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)` skips top-k"
-                    " saves whose score it cannot pair: the weights that produced the {monitor!r} value it"
+                    f" saves whose score it cannot pair: the weights that produced the {monitor!r} value it"
                     " would rank are gone. This happens when the value was not logged in this batch (or, from"
                     " `on_train_batch_end`, in the previous one), or when a batch took more optimizer steps than the"
                     " batches before it."
