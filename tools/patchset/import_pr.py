@@ -20,7 +20,7 @@ from patchset.gitops import git
 from patchset.materialize import OVERLAY_ROOTS, WORKSPACE, materialize_workspace
 from patchset.pin import fetch_sdist, read_pin
 from patchset.sections import join_patch, split_patch
-from patchset.upstream_pr import CHANGELOG_PATHS, START_REFS, branch_name, default_branch, find_patch
+from patchset.upstream_pr import CHANGELOG_PATHS, START_REFS, branch_name, default_base, find_patch
 
 
 @dataclass
@@ -59,9 +59,7 @@ def import_pr(project: Path, ref: str, onto: Path, branch: str | None = None, ba
 
     patch = find_patch(project, ref)
     branch = branch or branch_name(patch)
-    if base is None:
-        depends = patch.field("Depends-On")
-        base = branch_name(find_patch(project, depends)) if depends else default_branch(onto)
+    base = base or default_base(project, patch, onto)
     for rev in (branch, base):
         if git(onto, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", check=False).returncode:
             raise PatchsetError(f"{onto}: no branch or commit {rev!r}")

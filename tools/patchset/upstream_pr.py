@@ -108,6 +108,12 @@ def default_branch(checkout: Path) -> str:
     raise PatchsetError(f"{checkout}: no origin/HEAD, master or main; name the base branch with --base")
 
 
+def default_base(project: Path, patch: Patch, onto: Path) -> str:
+    """Where a patch's PR branch starts: the PR branch of the patch it ``Depends-On``, else upstream's default."""
+    depends = patch.field("Depends-On")
+    return branch_name(find_patch(project, depends)) if depends else default_branch(onto)
+
+
 def branch_name(patch: Patch) -> str:
     """The default PR branch of a patch: ``patchset/<subject slug>``."""
     return "patchset/" + patch.name.removesuffix(".patch").split("-", 1)[-1]
@@ -170,9 +176,7 @@ def upstream_pr(
     why = placeholder_author(who)
     if why:
         raise PatchsetError(f"{patch.name}: {why}; fix the patch's From: or pass --author 'Name <address>'")
-    if base is None:
-        depends = patch.field("Depends-On")
-        base = branch_name(find_patch(project, depends)) if depends else default_branch(onto)
+    base = base or default_base(project, patch, onto)
     if git(onto, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}", check=False, isolated=False).returncode:
         hint = " (make it first with upstream-pr)" if base.startswith("patchset/") else ""
         raise PatchsetError(f"{onto}: no branch or commit {base!r} to start from{hint}")

@@ -29,7 +29,7 @@ from patchset import PatchsetError
 from patchset.gitops import git, out
 from patchset.pin import cache_dir
 from patchset.series import Patch, read_series
-from patchset.upstream_pr import _head, branch_name, check_checkout, find_patch, upstream_pr
+from patchset.upstream_pr import _head, check_checkout, default_base, find_patch, upstream_pr
 
 PAGE = Path("docs") / "upstream-tests.md"
 # What each kind of patch runs: the whole CPU suite of fabric; the parts of pytorch that checkpointing touches.
@@ -291,9 +291,7 @@ def run_upstream_tests(
         blob=blob_hash(patch.path),
         package=package,
         upstream=start_commit,
-        base=base or branch_name(find_patch(project, patch.field("Depends-On")))
-        if patch.field("Depends-On")
-        else base or "upstream's default branch",
+        base=base or default_base(project, patch, onto),
         torch=torch,
         selection=selection,
         base_runs=base_runs,
