@@ -161,6 +161,7 @@ def test_pre_step_file_holds_the_optimizer_and_scheduler_states_of_before_the_st
             self.before[self.trainer.global_step] = (
                 {k: v.clone() for k, v in self.optimizers().optimizer.state_dict()["state"].get(0, {}).items()},
                 self.lr_schedulers().state_dict()["last_epoch"],
+                self.optimizers().optimizer.param_groups[0]["lr"],
             )
             out = super().training_step(batch, batch_idx)
             self.lr_schedulers().step()
@@ -173,11 +174,24 @@ def test_pre_step_file_holds_the_optimizer_and_scheduler_states_of_before_the_st
     assert len(files) == 8
     for path in files:
         checkpoint = load(path)
-        state, last_epoch = model.before[checkpoint["pre_optimizer_step"]["global_step"]]
+        state, last_epoch, lr = model.before[checkpoint["pre_optimizer_step"]["global_step"]]
         saved = checkpoint["optimizer_states"][0]["state"].get(0, {})
         assert saved.keys() == state.keys()
         assert all(torch.equal(saved[k], v) for k, v in state.items())
         assert checkpoint["lr_schedulers"][0]["last_epoch"] == last_epoch
+        # the learning rate the scheduler had set then, not the one it set after the step (half of it)
+        assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == lr
+        assert checkpoint["lr_schedulers"][0]["_last_lr"] == [lr]
+    # resuming from a pre-step file trains on with the learning rate of that moment
+    resumed = Recording()
+    resumed.before = {}
+    first = load(files[0])
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=first["global_step"] + 2, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(resumed, ckpt_path=files[0])
+    assert resumed.before[first["global_step"]][2] == first["optimizer_states"][0]["param_groups"][0]["lr"]
 
 
 @pytest.mark.parametrize("manual", [True, False])
@@ -552,3 +566,97 @@ def test_model_parallel_strategy_falls_back_to_the_live_weights_with_one_warning
     assert len(messages(caught, "`ModelParallelStrategy` builds the checkpoint's weights itself")) == 1
     assert ckpt._pre_step is None
     assert ckpt.best_k_models  # saved as without the option
+
+
+def test_an_exception_inside_fit_removes_the_hooks_and_the_next_fit_captures_again(tmp_path):
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    class Failing(Net):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 5 and self.fail:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    hooks_before = len(_global_optimizer_pre_hooks)
+    model = Failing()
+    model.fail = True
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, filename="{step}", monitor="score", every_n_train_steps=2, save_top_k=-1,
+        save_pre_optimizer_step_weights=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=16, limit_val_batches=0, callbacks=[ckpt], logger=False,
+        enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model)
+    # `fit` raised: the trainer calls `on_exception`, not `teardown`; nothing of the capture is left behind
+    assert ckpt._pre_step is None
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+    assert not model.optimizers().optimizer._optimizer_step_pre_hooks
+    # the same callback captures again in the next fit
+    model.fail = False
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=8, limit_val_batches=0, callbacks=[ckpt], logger=False,
+        enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    assert_pairs(ckpt, marked=True)
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+
+
+def test_a_parameter_shared_by_two_optimizers_keeps_both_optimizer_states(tmp_path):
+    class Shared(Net):
+        """Two optimizers step the head's weight; the second one also owns the bias."""
+
+        def training_step(self, batch, batch_idx):
+            for opt in self.optimizers():
+                self.before.setdefault(self.trainer.global_step, []).append(
+                    {k: v.clone() for k, v in opt.optimizer.state_dict()["state"].get(0, {}).items()}
+                )
+            x, y = batch
+            loss = nn.functional.mse_loss(self.head(x), y)
+            self.log("score", self.probe_score())
+            for opt in self.optimizers():
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in self.optimizers():
+                opt.step()
+
+        def configure_optimizers(self):
+            return [
+                torch.optim.Adam([self.head.weight], lr=self.lr),
+                torch.optim.Adam([self.head.weight, self.head.bias], lr=self.lr),
+            ]
+
+    model = Shared()
+    model.before = {}
+    _, ckpt = fit(tmp_path, model, save_top_k=-1)
+    assert_pairs(ckpt, marked=True)
+    for path in ckpt.best_k_models:
+        checkpoint = load(path)
+        before = model.before[checkpoint["pre_optimizer_step"]["global_step"]]
+        for saved, state in zip(checkpoint["optimizer_states"], before):
+            saved = saved["state"].get(0, {})
+            assert saved.keys() == state.keys()
+            assert all(torch.equal(saved[k], v) for k, v in state.items())
+
+
+def test_manual_gradient_accumulation_keeps_the_first_save(tmp_path):
+    class Accumulating(Net):
+        """Steps every other batch, logging the score of the weights the stepping batch starts with."""
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.manual_backward(nn.functional.mse_loss(self.head(x), y))
+            if batch_idx % 2 == 1:
+                self.log("score", self.probe_score())
+                opt = self.optimizers()
+                opt.step()
+                opt.zero_grad()
+
+    with recorded_warnings() as caught:
+        _, ckpt = fit(tmp_path, Accumulating(), max_steps=4, every_n_train_steps=1, save_top_k=-1)
+    assert_pairs(ckpt, marked=True)
+    assert sorted(load(p)["global_step"] for p in ckpt.best_k_models) == [1, 2, 3, 4]
+    assert not messages(caught, "skips top-k saves")

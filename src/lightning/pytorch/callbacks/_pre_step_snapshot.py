@@ -125,6 +125,8 @@ class _PreStepCapture:
         self._stepped = False  # an optimizer stepped trainable parameters of the module in this batch
         self._params: dict[Tensor, Tensor] = {}  # parameter -> its value before the batch's steps
         self._optimizer_states: dict[Optimizer, dict[Tensor, Optional[dict[str, Any]]]] = {}
+        # each optimizer's param group hyperparameters (`lr`, ...) and the schedulers' states that set them
+        self._param_groups: dict[Optimizer, list[dict[str, Any]]] = {}
         self._lr_schedulers: Optional[list[dict[str, Any]]] = None
         self._global_step = global_step
 
@@ -169,8 +171,8 @@ class _PreStepCapture:
         if checkpoint._train_time_interval is not None:
             return True  # the clock decides at the end of the batch
         every_n = checkpoint._every_n_train_steps
-        if self._max_steps_per_batch is None:
-            return True  # how many steps a batch takes is not known yet
+        if not self._max_steps_per_batch:
+            return True  # how many steps a batch takes is not known yet (or no batch has stepped so far)
         next_multiple = (global_step // every_n + 1) * every_n
         return next_multiple <= global_step + self._max_steps_per_batch
 
@@ -192,20 +194,26 @@ class _PreStepCapture:
             self._copy_before(optimizer)
 
     def _copy_before(self, optimizer: Optimizer) -> None:
-        params = [p for p in self._trainable(optimizer) if p not in self._params]
+        trainer = self._trainer
+        known = self._with_optimizer_states and any(optimizer is opt for opt in trainer.optimizers)
+        states = self._optimizer_states.get(optimizer, {})
+        # a parameter shared with an optimizer that stepped before is copied once, its state once per optimizer
+        params = [p for p in self._trainable(optimizer) if p not in self._params or (known and p not in states)]
         if not params:
             return  # nothing of the module, or copied before this optimizer's first step in the batch
-        trainer = self._trainer
         if not self._stepped:
             self._stepped = True
             if self._score_cannot_enter_top_k(trainer):
                 self._armed = False
                 return
             if self._with_optimizer_states:
+                # the schedulers and the learning rates they set, as they are before the batch's first step
                 self._lr_schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+                self._param_groups = {opt: _hyperparameters(opt) for opt in trainer.optimizers}
         for p in params:
-            self._params[p] = p.detach().clone()
-        if self._with_optimizer_states and any(optimizer is opt for opt in trainer.optimizers):
+            if p not in self._params:
+                self._params[p] = p.detach().clone()
+        if known:
             states = self._optimizer_states.setdefault(optimizer, {})
             for p in params:
                 states[p] = _clone_state(optimizer.state.get(p))
@@ -275,7 +283,9 @@ class _PreStepCapture:
             kind = _LIVE  # no step in this batch: the live weights are the ones it started with
         elif kind == _PRE and not self._armed:
             kind = _UNPAIRED  # not captured
-        pairing = _Pairing(self, kind, self._params, self._optimizer_states, self._lr_schedulers, self._global_step)
+        pairing = _Pairing(
+            self, kind, self._params, self._optimizer_states, self._param_groups, self._lr_schedulers, self._global_step
+        )
         self._reset_batch(global_step)  # the copies now live only as long as the pairing
         return pairing
 
@@ -308,6 +318,7 @@ class _Pairing:
         kind: Optional[str],
         params: dict[Tensor, Tensor],
         optimizer_states: dict[Optimizer, dict[Tensor, Optional[dict[str, Any]]]],
+        param_groups: dict[Optimizer, list[dict[str, Any]]],
         lr_schedulers: Optional[list[dict[str, Any]]],
         global_step: int,
     ) -> None:
@@ -315,6 +326,7 @@ class _Pairing:
         self.kind = kind
         self._params = params
         self._optimizer_states = optimizer_states
+        self._param_groups = param_groups
         self._lr_schedulers = lr_schedulers
         self._global_step = global_step
         self._written = False
@@ -385,9 +397,13 @@ class _Pairing:
             if len(optimizer_states) != len(optimizers):
                 return
             new_optimizer_states = [
-                _with_captured_state(state, optimizer, self._optimizer_states.get(optimizer))
+                _with_captured_state(
+                    state, optimizer, self._optimizer_states.get(optimizer), self._param_groups.get(optimizer)
+                )
                 for state, optimizer in zip(optimizer_states, optimizers)
             ]
+            if any(state is None for state in new_optimizer_states):
+                return
         state_dict.update(replace)
         if new_optimizer_states is not None:
             checkpoint["optimizer_states"] = new_optimizer_states
@@ -398,21 +414,38 @@ class _Pairing:
 
 
 def _with_captured_state(
-    state: dict[str, Any], optimizer: Optimizer, captured: Optional[dict[Tensor, Optional[dict[str, Any]]]]
-) -> dict[str, Any]:
-    """``optimizer.state_dict()`` output ``state`` with the per-parameter states captured before the step."""
-    if not captured:
+    state: dict[str, Any],
+    optimizer: Optimizer,
+    captured: Optional[dict[Tensor, Optional[dict[str, Any]]]],
+    hyperparameters: Optional[list[dict[str, Any]]],
+) -> Optional[dict[str, Any]]:
+    """``optimizer.state_dict()`` output ``state`` with the per-parameter states and the param group hyperparameters
+    captured before the step; ``None`` if the param groups changed since."""
+    packed_groups = state["param_groups"]
+    if hyperparameters is not None and len(hyperparameters) != len(packed_groups):
+        return None
+    if not captured and hyperparameters is None:
         return state
     per_param = dict(state["state"])
-    for group, packed in zip(optimizer.param_groups, state["param_groups"]):
+    for group, packed in zip(optimizer.param_groups, packed_groups):
         for param, index in zip(group["params"], packed["params"]):
-            if param in captured:
+            if captured and param in captured:
                 before = captured[param]
                 if before is None:
                     per_param.pop(index, None)  # the step created it
                 else:
                     per_param[index] = before
-    return {**state, "state": per_param}
+    if hyperparameters is not None:
+        packed_groups = [{**packed, **before} for packed, before in zip(packed_groups, hyperparameters)]
+    return {**state, "state": per_param, "param_groups": packed_groups}
+
+
+def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (``lr``, ``betas``, ...), without its parameters."""
+    return [
+        {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
 
 
 def _clone_state(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
