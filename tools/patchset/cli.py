@@ -176,7 +176,10 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("patch", help="patch file name or number, e.g. 0002")
     cmd.add_argument("--onto", type=Path, required=True, help="an upstream Lightning git checkout (left clean)")
     cmd.add_argument("--base", help="as upstream-pr --base")
-    cmd.add_argument("--torch", default="2.13.0", help="the torch to test with (default: 2.13.0, a CPU build)")
+    cmd.add_argument(
+        "--torch",
+        help="the torch release to test with (default: the newest that upstream's requirements allow, as their CI)",
+    )
     cmd.add_argument("--python", help="use this venv's interpreter instead of making one")
     cmd.add_argument("--select", nargs="+", help="test paths or node ids instead of the patch's default selection")
     cmd.add_argument(

@@ -1,9 +1,9 @@
 """Run upstream's own tests on a patch's PR branch and on its base, and record the outcome in the docs.
 
 The PR branch is made with ``upstream-pr`` in an upstream checkout. The checkout is installed as upstream's CI
-installs it (CPU torch, then the package with the extras CI uses, which read ``requirements/<pkg>/*.txt`` as pinned
-there; not ``strategies``, whose DeepSpeed and bitsandbytes need CUDA), editable, so that the same environment tests
-the branch and the base. The patch's tests run on the branch, then on the base without the patch; a failure on the
+installs it (the package with the extras CI uses, which read ``requirements/<pkg>/*.txt`` as pinned there, torch
+included, unless ``--torch`` pins another release that those requirements allow; not ``strategies``, whose DeepSpeed
+and bitsandbytes need CUDA), editable, so that the same environment tests the branch and the base. The patch's tests run on the branch, then on the base without the patch; a failure on the
 branch that the base does not share is caused by the patch. Tests that upstream marks standalone run one per
 process, as upstream's CI runs them, with gloo on the CPU.
 
@@ -113,7 +113,7 @@ class Record:
             "|---|---|",
             f"| patch blob | `{self.blob}` |",
             f"| upstream commit | `{self.upstream}` ({self.base}: {self.upstream_subject}) |",
-            f"| installed as | `lightning[{','.join(EXTRAS[self.package])}]` with torch {self.torch} (CPU), Python"
+            f"| installed as | `lightning[{','.join(EXTRAS[self.package])}]` with torch {self.torch}, Python"
             f" {sys.version_info.major}.{sys.version_info.minor} |",
             f"| selection | {', '.join(f'`{s}`' for s in self.selection)}, their standalone tests one per process |",
             f"| on the PR branch | {b['passed']} passed, {b['failed']} failed, {b['skipped']} skipped |",
@@ -195,27 +195,48 @@ def _reason(element: ET.Element) -> str:
     return message.splitlines()[0] if message else element.tag
 
 
-def environment(onto: Path, package: str, torch: str) -> Path:
-    """A venv (cached per checkout, torch and requirements) with the checkout installed editable, as CI installs it."""
+def environment(onto: Path, package: str, torch: str | None = None) -> Path:
+    """A venv (cached per checkout, torch and requirements) with the checkout installed editable, as CI installs it.
+
+    ``torch`` pins the release (``2.9.1``); by default pip takes the newest one that upstream's requirements allow.
+
+    """
     reqs = sorted((onto / "requirements").rglob("*.txt"))
     extras = ",".join(EXTRAS[package])
-    key = hashlib.sha256(str(onto).encode() + torch.encode() + extras.encode() + b"".join(p.read_bytes() for p in reqs))
+    wanted = torch or ""
+    key = hashlib.sha256(
+        str(onto).encode() + wanted.encode() + extras.encode() + b"".join(p.read_bytes() for p in reqs)
+    )
     venv = cache_dir() / "upstream-venvs" / f"{package}-{key.hexdigest()[:16]}"
     python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     if (venv / ".complete").is_file():
         return python
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     env = {**os.environ, "PACKAGE_NAME": "lightning", "FREEZE_REQUIREMENTS": "1"}
+    pin = []
+    if torch:  # held through the whole install: upstream's requirements may not replace it
+        (venv / "torch-constraint.txt").write_text(f"torch=={torch}\n")
+        pin = ["-c", str(venv / "torch-constraint.txt")]
     for step in (
         ["install", "-q", "--upgrade", "pip"],
-        ["install", "-q", f"torch=={torch}"],
-        ["install", "-q", "-e", f"{onto}[{extras}]"],
+        ["install", "-q", "-e", f"{onto}[{extras}]", *pin],
     ):
         proc = subprocess.run([str(python), "-m", "pip", *step], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise PatchsetError(f"pip {' '.join(step)} failed:\n{proc.stderr[-2000:]}")
-    (venv / ".complete").write_text(torch + "\n")
+            hint = f" (does {onto / 'requirements'} allow torch {torch}?)" if torch else ""
+            raise PatchsetError(f"pip {' '.join(step)} failed{hint}:\n{proc.stderr[-2000:]}")
+    (venv / ".complete").write_text(installed_torch(python) + "\n")
     return python
+
+
+def installed_torch(python: Path) -> str:
+    """The torch release in ``python``'s environment, with its local part (``2.9.1+cu128``)."""
+    proc = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise PatchsetError(f"{python} cannot import torch:\n{proc.stderr[-2000:]}")
+    return proc.stdout.strip()
 
 
 def _default_signals() -> None:
@@ -272,7 +293,7 @@ def run_upstream_tests(
     ref: str,
     onto: Path,
     base: str | None = None,
-    torch: str = "2.13.0",
+    torch: str | None = None,
     python: str | None = None,
     select: list[str] | None = None,
     base_runs: str = "all",
@@ -292,7 +313,7 @@ def run_upstream_tests(
         package=package,
         upstream=start_commit,
         base=base or default_base(project, patch, onto),
-        torch=torch,
+        torch=torch or "",
         selection=selection,
         base_runs=base_runs,
         upstream_subject=out(onto, "log", "-1", "--format=%s", start_commit, isolated=False),
@@ -300,6 +321,7 @@ def run_upstream_tests(
     started = time.monotonic()
     try:
         interpreter = Path(python) if python else environment(onto, package, torch)
+        record.torch = installed_torch(interpreter)  # what ran, whatever was asked for
         with tempfile.TemporaryDirectory() as tmp:
             record.branch = run_selection(interpreter, onto, selection, Path(tmp) / "branch.xml")
             git(onto, "checkout", "-q", "--detach", start_commit, isolated=False)
@@ -349,8 +371,9 @@ def recorded_blobs(project: Path) -> dict[str, str]:
 _HEADER = """# Upstream's own tests on each pull request
 
 Written by `python -m patchset upstream-tests PATCH --onto <upstream checkout>`, not by hand. For each patch bound
-upstream, it makes the pull request's branch with `upstream-pr`, installs that checkout as upstream's CI does (CPU
-torch, the package with its test extra as pinned in upstream's `requirements/`), runs the upstream tests for what the
+upstream, it makes the pull request's branch with `upstream-pr`, installs that checkout as upstream's CI does (the
+package with its test extra, torch included, as pinned in upstream's `requirements/`; the record names the torch that
+ran), runs the upstream tests for what the
 patch touches on the branch and on the base without the patch, and records the result here. A failure on the branch
 is **caused by the patch** unless the base fails the same test. CI checks that every section names the patch's
 current blob hash (`git hash-object patches/<file>`), so a patch changed after its run shows up as stale.

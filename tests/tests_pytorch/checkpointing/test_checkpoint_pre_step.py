@@ -636,8 +636,9 @@ def test_a_parameter_shared_by_two_optimizers_keeps_both_optimizer_states(tmp_pa
     for path in ckpt.best_k_models:
         checkpoint = load(path)
         before = model.before[checkpoint["pre_optimizer_step"]["global_step"]]
-        for saved, state in zip(checkpoint["optimizer_states"], before):
-            saved = saved["state"].get(0, {})
+        assert len(checkpoint["optimizer_states"]) == len(before) == 2
+        for i, state in enumerate(before):
+            saved = checkpoint["optimizer_states"][i]["state"].get(0, {})
             assert saved.keys() == state.keys()
             assert all(torch.equal(saved[k], v) for k, v in state.items())
 

@@ -419,8 +419,12 @@ def _with_captured_state(
     captured: Optional[dict[Tensor, Optional[dict[str, Any]]]],
     hyperparameters: Optional[list[dict[str, Any]]],
 ) -> Optional[dict[str, Any]]:
-    """``optimizer.state_dict()`` output ``state`` with the per-parameter states and the param group hyperparameters
-    captured before the step; ``None`` if the param groups changed since."""
+    """``optimizer.state_dict()`` output ``state`` with what was captured before the step put back.
+
+    That is the per-parameter states and each param group's hyperparameters. Returns ``None`` if the param groups
+    changed since.
+
+    """
     packed_groups = state["param_groups"]
     if hyperparameters is not None and len(hyperparameters) != len(packed_groups):
         return None
