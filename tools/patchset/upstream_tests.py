@@ -3,9 +3,10 @@
 The PR branch is made with ``upstream-pr`` in an upstream checkout. The checkout is installed as upstream's CI
 installs it (the package with the extras CI uses, which read ``requirements/<pkg>/*.txt`` as pinned there, torch
 included, unless ``--torch`` pins another release that those requirements allow; not ``strategies``, whose DeepSpeed
-and bitsandbytes need CUDA), editable, so that the same environment tests the branch and the base. The patch's tests run on the branch, then on the base without the patch; a failure on the
-branch that the base does not share is caused by the patch. Tests that upstream marks standalone run one per
-process, as upstream's CI runs them, with gloo on the CPU.
+and bitsandbytes need CUDA), editable, so that the same environment tests the branch and the base. The patch's
+tests run on the branch, then on the base without the patch; a failure on the branch that the base does not share is
+caused by the patch. Tests that upstream marks standalone run one per process, as upstream's CI runs them, with gloo
+on the CPU.
 
 The record goes into :data:`PAGE`, one section per patch, naming the upstream commit and the patch's blob hash, so
 that CI (which cannot reach upstream) can tell whether the page describes the patches as they are.
