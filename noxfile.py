@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import nox
@@ -30,9 +31,12 @@ nox.options.sessions = ["tests(torch='2.13.0')"]
 nox.options.error_on_missing_interpreters = True
 
 ROOT = Path(__file__).resolve().parent
-# Oldest supported (Lightning 2.6 needs torch>=2.1), every minor release CI covers, the local CPU wheel (2.13.0),
-# and the newest release this machine's pip allows.
-TORCH = ["2.1.2", "2.2.2", "2.3.1", "2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.13.0", "2.14.1"]
+# The latest patch of every minor release from the oldest Lightning 2.6 supports (torch>=2.1) to the newest on the
+# index; 2.13.0 is also the local CPU wheel. ci-tests-fork.yml runs the same releases (a tool test checks it).
+TORCH = [
+    "2.1.2", "2.2.2", "2.3.1", "2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1",
+    "2.13.0", "2.14.1", "2.15.0",
+]  # fmt: skip
 OLDEST = TORCH[0]
 # The project's test command (README, .ci/run), run from the repository root against the installed fork.
 TEST_COMMAND = ["python", "-m", "pytest", "--cov", "--cov-report=term"]
@@ -76,8 +80,14 @@ def _wheelhouse(session: nox.Session) -> Path:
     return cache / "torch-matrix-wheels"
 
 
+def _wheel_bytes(wheelhouse: Path) -> int:
+    return sum(p.stat().st_size for p in wheelhouse.glob("*.whl")) if wheelhouse.is_dir() else 0
+
+
 def _install_fork(session: nox.Session, torch: str) -> Path:
     """Torch, the test requirements, the fork (``pip install .``), no unpatched copy; returns the constraints file."""
+    # the recorder reports the session's wall time (install included) and what this session downloaded
+    session.env["TORCH_MATRIX_SESSION_START"] = repr(time.time())
     # the commit the fork is built from, recorded with the result (the checkout may move on while the suite runs)
     commit = session.run("python", ".ci/torch_matrix.py", "commit", silent=True)
     session.env["TORCH_MATRIX_COMMIT"] = commit.strip() if isinstance(commit, str) else ""
@@ -89,10 +99,12 @@ def _install_fork(session: nox.Session, torch: str) -> Path:
     # torch and its dependencies go through a wheelhouse shared by every session (and kept with pip's cache): a
     # file already there is not downloaded again, even where the index's responses are not cacheable by pip.
     wheelhouse = _wheelhouse(session)
+    held = _wheel_bytes(wheelhouse)
     session.run(
         "python", "-m", "pip", "download", "--dest", str(wheelhouse), *pins, "-c", str(constraints),
         *(["--extra-index-url", index] if index else []),
     )  # fmt: skip
+    session.env["TORCH_MATRIX_DOWNLOADED"] = str(_wheel_bytes(wheelhouse) - held)
     session.install("--no-index", "--find-links", str(wheelhouse), *pins, "-c", str(constraints))
     # every later install is held to the same torch (and numpy), so nothing upgrades them behind the session's back
     session.install("-r", "tests/requirements.txt", "-c", str(constraints))

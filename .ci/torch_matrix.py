@@ -12,6 +12,9 @@ Used by noxfile.py and the CI workflow; standard library only, so it runs in any
         rewrites docs/torch-matrix.md from the results it already holds (no test run).
     python .ci/torch_matrix.py merge OTHER.md ...
         adds the results held by other copies of the file (CI: one per matrix job) and rewrites the table.
+    python .ci/torch_matrix.py check
+        exits 1 unless every row passed and all rows name one commit whose patches, sources, tests, tool and
+        pyproject.toml are the checkout's.
     python .ci/torch_matrix.py oldest-requirements
         prints ``name==lowest`` for each requirement of the installed ``lightning`` that has a lower bound.
 
@@ -35,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "torch-matrix.md"
+DOC = Path(os.environ.get("TORCH_MATRIX_DOC") or ROOT / "docs" / "torch-matrix.md")  # tests point it elsewhere
+# what a row's commit must share with the checkout for the row to describe it
+SOURCES = ["patches", "src", "tests", "tools", "pyproject.toml"]
 BEGIN, END = "<!-- torch-matrix-results", "torch-matrix-results -->"
 
 # pytest's closing line, e.g. "==== 3 failed, 40 passed, 2 skipped, 1 warning in 81.20s (0:01:21) ===="
@@ -61,7 +66,17 @@ Run one cell from the repository root, with nox installed (`pip install nox`) in
 nox -s "tests(torch='2.13.0')"      # the default session (also plain `nox`): the local CPU wheel
 nox -s "tests(torch='2.1.2')"       # oldest supported torch; `nox -l` lists every session
 nox -s oldest                       # oldest torch with the lowest versions of lightning's requirements
+PIP_CONFIG_FILE=/dev/null nox -s "tests(torch='2.15.0')"   # where /etc/xdg/pip caps torch at 2.14.1
+python .ci/torch_matrix.py check    # every row passed, from one commit with this checkout's sources
 ```
+
+*tests* is the test command's own time; *session wall time* adds the venv, the downloads and the installs.
+*downloaded* is what the session added to the wheelhouse (`torch-matrix-wheels` in pip's cache directory, or
+`$TORCH_MATRIX_WHEELHOUSE`): `pip download` fills it and skips the files it already holds, and the session installs
+torch from it with `--no-index`, so each torch build is downloaded once, by the first session that needs it
+(`oldest` reuses 2.1.2's). A CUDA build and its `nvidia-*` wheels take 3 to 5 GB there, and as much again in the
+session's venv under `.nox/`: remove a venv after its session (`rm -r .nox/tests-torch-2-1-2`) to run the whole
+matrix in about 30 GB.
 """
 
 
@@ -95,21 +110,33 @@ def _order(cell: dict[str, Any]) -> tuple[Any, ...]:
     return (_vkey(cell["torch_requested"]), cell["kind"], _vkey(cell["python"]), cell["platform"])
 
 
+def _wall(cell: dict[str, Any]) -> str:
+    return f"{cell['wall_s']:.0f} s" if "wall_s" in cell else "not recorded"
+
+
+def _size(cell: dict[str, Any]) -> str:
+    if "downloaded_bytes" not in cell:
+        return "not recorded"
+    size = cell["downloaded_bytes"]
+    return "0 (wheelhouse)" if size == 0 else f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.0f} MiB"
+
+
 def _render(results: dict[str, dict[str, Any]]) -> str:
     cells = sorted(results.values(), key=_order)
     out = [
         HEADER,
-        "| torch | session | result | passed | failed | errors | skipped | duration | python | OS | fork commit"
-        " | date (UTC) |",
-        "|-------|---------|--------|-------:|-------:|-------:|--------:|---------:|--------|----|-------------|"
-        "------------|",
+        "| torch | session | result | passed | failed | errors | skipped | tests | session wall time | downloaded"
+        " | python | OS | fork commit | date (UTC) |",
+        "|-------|---------|--------|-------:|-------:|-------:|--------:|------:|------------------:|-----------:|"
+        "--------|----|-------------|------------|",
     ]
     for c in cells:
         n, code = c["counts"], c["exit_code"]
         result = "**pass**" if code == 0 else f"**FAIL** ({_signame(-code) if code < 0 else f'exit {code}'})"
         out.append(
             f"| {c['torch']} | `{c['session']}` | {result} | {n.get('passed', 0)} | {n.get('failed', 0)}"
-            f" | {n.get('errors', 0)} | {n.get('skipped', 0)} | {c['duration_s']:.0f} s | {c['python']}"
+            f" | {n.get('errors', 0)} | {n.get('skipped', 0)} | {c['duration_s']:.0f} s | {_wall(c)}"
+            f" | {_size(c)} | {c['python']}"
             f" | {c['platform']} | `{c['commit']}` | {c['date']} |"
         )
     out += ["", "## Commands", ""]
@@ -211,6 +238,9 @@ def record(args: argparse.Namespace) -> int:
         "commit": args.commit or commit,
         "date": date,
         "duration_s": round(duration, 1),
+        # the whole session: venv, downloads and installs, then the tests (set by noxfile.py)
+        "wall_s": round(time.time() - float(os.environ.get("TORCH_MATRIX_SESSION_START") or time.time() - duration), 1),
+        "downloaded_bytes": int(os.environ.get("TORCH_MATRIX_DOWNLOADED") or 0),
         "exit_code": code,
         "counts": counts,
         "problems": problems,
@@ -250,6 +280,33 @@ def merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def check(_: argparse.Namespace) -> int:
+    """Whether the table describes this checkout: every row passed, all from one commit with the checkout's sources."""
+    results = _load()
+    problems = [f"{key}: exit {c['exit_code']}" for key, c in sorted(results.items()) if c["exit_code"] != 0]
+    commits = sorted({c["commit"] for c in results.values()})
+    if not results:
+        problems.append("no rows")
+    elif len(commits) != 1:
+        problems.append(f"the rows name {len(commits)} commits: {', '.join(commits)}")
+    elif commits[0].endswith("+dirty"):
+        problems.append(f"the rows were run from a checkout with uncommitted changes ({commits[0]})")
+    else:
+        proc = subprocess.run(
+            ["git", "-C", str(ROOT), "diff", "--stat", commits[0], "HEAD", "--", *SOURCES],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0 or proc.stdout.strip():
+            changed = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()]
+            problems.append(f"{commits[0]} differs from the checkout in {', '.join(SOURCES)}: {changed[0]}")
+    for problem in problems:
+        print(f"torch-matrix: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"torch-matrix: {len(results)} rows, all passed, all from {commits[0]}, which has the checkout's sources")
+    return 1 if problems else 0
+
+
 def oldest_requirements(_: argparse.Namespace) -> int:
     """Print the lowest version each base requirement of the installed ``lightning`` allows (torch excepted)."""
     from importlib.metadata import requires
@@ -285,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     mrg = sub.add_parser("merge", help="add the cells of other copies of docs/torch-matrix.md")
     mrg.add_argument("files", nargs="+")
     mrg.set_defaults(func=merge)
+    sub.add_parser("check", help="every row passed, from one commit with this checkout's sources").set_defaults(
+        func=check
+    )
     sub.add_parser("oldest-requirements", help="lowest allowed versions of lightning's requirements").set_defaults(
         func=oldest_requirements
     )
