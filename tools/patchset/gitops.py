@@ -18,19 +18,17 @@ FIXED_DATE = "2000-01-01T00:00:00+0000"
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(
-        {
-            "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_CONFIG_GLOBAL": os.devnull,
-            "GIT_AUTHOR_NAME": TOOL_NAME,
-            "GIT_AUTHOR_EMAIL": TOOL_EMAIL,
-            "GIT_COMMITTER_NAME": TOOL_NAME,
-            "GIT_COMMITTER_EMAIL": TOOL_EMAIL,
-            "GIT_AUTHOR_DATE": FIXED_DATE,
-            "GIT_COMMITTER_DATE": FIXED_DATE,
-            "LC_ALL": "C",
-        }
-    )
+    env.update({
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_AUTHOR_NAME": TOOL_NAME,
+        "GIT_AUTHOR_EMAIL": TOOL_EMAIL,
+        "GIT_COMMITTER_NAME": TOOL_NAME,
+        "GIT_COMMITTER_EMAIL": TOOL_EMAIL,
+        "GIT_AUTHOR_DATE": FIXED_DATE,
+        "GIT_COMMITTER_DATE": FIXED_DATE,
+        "LC_ALL": "C",
+    })
     if extra:
         env.update(extra)
     return env

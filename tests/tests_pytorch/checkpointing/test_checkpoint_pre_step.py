@@ -611,9 +611,9 @@ def test_a_parameter_shared_by_two_optimizers_keeps_both_optimizer_states(tmp_pa
 
         def training_step(self, batch, batch_idx):
             for opt in self.optimizers():
-                self.before.setdefault(self.trainer.global_step, []).append(
-                    {k: v.clone() for k, v in opt.optimizer.state_dict()["state"].get(0, {}).items()}
-                )
+                self.before.setdefault(self.trainer.global_step, []).append({
+                    k: v.clone() for k, v in opt.optimizer.state_dict()["state"].get(0, {}).items()
+                })
             x, y = batch
             loss = nn.functional.mse_loss(self.head(x), y)
             self.log("score", self.probe_score())
@@ -661,3 +661,99 @@ def test_manual_gradient_accumulation_keeps_the_first_save(tmp_path):
     assert_pairs(ckpt, marked=True)
     assert sorted(load(p)["global_step"] for p in ckpt.best_k_models) == [1, 2, 3, 4]
     assert not messages(caught, "skips top-k saves")
+
+
+def test_parameters_added_to_the_module_and_its_optimizer_during_fit_are_captured(tmp_path):
+    class Growing(Net):
+        """Replaces its head at the second epoch and hands the new parameters to the optimizer."""
+
+        def on_train_epoch_start(self):
+            if self.current_epoch == 1:
+                self.head = nn.Linear(4, 1)
+                self.optimizers().optimizer.add_param_group({"params": list(self.head.parameters())})
+
+    _, ckpt = fit(tmp_path, Growing(), max_epochs=2, max_steps=-1, save_top_k=-1)
+    assert_pairs(ckpt, marked=True)
+    assert len(ckpt.best_k_models) == 8
+
+
+def test_a_batch_with_more_steps_than_before_saves_the_live_weights_with_one_warning(tmp_path):
+    class MoreSteps(Net):
+        """From the fifth batch on, two optimizer steps per batch (an extra critic step, say); best score there."""
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            score = self.probe_score()
+            self.log("score", score - 100.0 if batch_idx == 4 else score)
+            opt = self.optimizers()
+            for _ in range(1 if batch_idx < 4 else 2):
+                opt.zero_grad()
+                self.manual_backward(nn.functional.mse_loss(self.head(x), y))
+                opt.step()
+
+    model = MoreSteps()
+    with recorded_warnings() as caught:
+        _, ckpt = fit(tmp_path, model, max_epochs=1, max_steps=-1, save_top_k=1)
+    # stock would save the batch with the best score (global step 6, after its two steps); so does the option, with
+    # the live weights, unmarked, as it could not copy them before the steps
+    best = load(ckpt.best_model_path)
+    assert best["global_step"] == 6
+    assert "pre_optimizer_step" not in best
+    assert all(torch.equal(best["state_dict"][k], v) for k, v in model.post_step[6].items())
+    assert len(messages(caught, "did not copy the weights")) == 1
+
+
+def test_lbfgs_falls_back_to_the_live_weights_with_one_warning(tmp_path):
+    class WithLBFGS(Net):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+    with recorded_warnings() as caught:
+        _, ckpt = fit(tmp_path, WithLBFGS(manual=False), save_top_k=-1)
+    assert len(messages(caught, "`LBFGS` evaluates the closure several times")) == 1
+    assert ckpt._pre_step is None
+    assert ckpt.best_k_models
+    assert not [p for p in ckpt.best_k_models if "pre_optimizer_step" in load(p)]
+
+
+def test_a_hook_left_behind_by_a_failing_on_exception_is_inert(tmp_path):
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    class Failing(Net):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 3:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    class BrokenOnException(Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            raise ValueError("the callback's own bug")
+
+    hooks_before = len(_global_optimizer_pre_hooks)
+    model = Failing()
+    with pytest.raises(ValueError, match="own bug"):
+        fit(tmp_path, model, callbacks=[BrokenOnException()])
+    # Lightning stopped calling `on_exception` at the broken callback: the global hook is still registered...
+    assert len(_global_optimizer_pre_hooks) == hooks_before + 1
+    (capture,) = [hook.__self__ for hook in list(_global_optimizer_pre_hooks.values())[hooks_before:]]
+    try:
+        # ...but it copies nothing when the module is trained on after the fit, with an optimizer of its own
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.probe_score().backward()
+        capture._armed = True
+        opt.step()
+        assert not capture._params
+    finally:
+        capture.stop()
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+
+
+def test_a_checkpoint_with_the_option_and_one_without_can_run_side_by_side(tmp_path):
+    # the same monitor and triggers: the option is part of the state key, so both keep their own state
+    plain = ModelCheckpoint(dirpath=tmp_path / "plain", monitor="score", every_n_train_steps=2, save_top_k=-1)
+    _, ckpt = fit(tmp_path / "pre", Net(), callbacks=[plain], save_top_k=-1)
+    assert plain.state_key != ckpt.state_key
+    assert plain.state_key == ModelCheckpoint(monitor="score", every_n_train_steps=2).state_key  # as before
+    assert_pairs(ckpt, marked=True)
+    assert len(plain.best_k_models) == len(ckpt.best_k_models) == 8
+    assert not [p for p in plain.best_k_models if "pre_optimizer_step" in load(p)]

@@ -24,6 +24,7 @@ save_checkpoint` and dropped at the end of the batch; the live model is never mo
 """
 
 import copy
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -45,29 +46,28 @@ PRE_OPTIMIZER_STEP_KEY = "pre_optimizer_step"
 
 #: Hooks that run before the optimizer steps of a training batch. A value logged in them was computed by the weights
 #: the batch started with (``training_step`` computes its loss before it steps, also under manual optimization).
-_PRE_STEP_HOOKS = frozenset(
-    {
-        "on_train_batch_start",
-        "training_step",
-        "on_before_backward",
-        "on_after_backward",
-        "on_before_optimizer_step",
-        "on_before_zero_grad",
-    }
-)
+_PRE_STEP_HOOKS = frozenset({
+    "on_train_batch_start",
+    "training_step",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+})
 
 # how the score of a save at the end of a batch pairs with the weights
 _PRE = "pre"  # produced by the weights the batch started with: write the captured copies
 _LIVE = "live"  # produced by the live weights, or not a training score: save as usual
 _EPOCH = "epoch"  # an epoch aggregate, produced by no single set of weights: save as usual, say so once
 _UNPAIRED = "unpaired"  # produced by weights that are gone: skip the top-k save
+_MISSED = "missed"  # produced by the pre-step weights, which were not copied: save the live weights, say so once
 
 
 class _PreStepCapture:
     """Captures, for one :class:`~lightning.pytorch.callbacks.ModelCheckpoint`, the weights a batch started with.
 
     Created in ``on_train_start`` by :meth:`start`, re-armed in every ``on_train_batch_start``, read and emptied in
-    ``on_train_batch_end`` and removed in ``teardown``.
+    ``on_train_batch_end`` and stopped in ``on_train_end``, ``on_exception`` or ``teardown``, whichever comes first.
 
     """
 
@@ -91,7 +91,9 @@ class _PreStepCapture:
         self._metric_key: Optional[tuple[int, int]] = None
         self._metric: Optional[_ResultMetric] = None
         self._module_param_set: Optional[set[Tensor]] = None
-        self._changes_module: dict[Optimizer, bool] = {}  # whether an optimizer owns trainable module parameters
+        self._owned_params = 0  # how many parameters the trainer's optimizers held when the set was read
+        # whether an optimizer owns trainable module parameters; weak, as the global hook sees optimizers of any owner
+        self._changes_module: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
         self._reset_batch(trainer.global_step)
 
     @classmethod
@@ -113,7 +115,8 @@ class _PreStepCapture:
         if self._global_handle is not None:
             self._global_handle.remove()
         self._handles, self._hooked, self._global_handle = [], [], None
-        self._module_param_set, self._changes_module = None, {}
+        self._module_param_set = None
+        self._changes_module.clear()
         self._enabled = False
         self._reset_batch(self._trainer.global_step)
 
@@ -158,7 +161,9 @@ class _PreStepCapture:
             return  # the score does not pair with the pre-step weights: a validation score, say
         self._armed = self._save_may_trigger(global_step)
         if self._armed:
-            self._module_param_set = None  # read again: parameters may have been added to the module
+            owned = sum(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
+            if owned != self._owned_params:  # e.g. `add_param_group`: read the module's parameters again
+                self._owned_params, self._module_param_set = owned, None
 
     def end_epoch(self, trainer: "pl.Trainer") -> None:
         """Notes whether the monitored value was logged in the epoch's last batch, before the results are reset."""
@@ -177,6 +182,8 @@ class _PreStepCapture:
         return next_multiple <= global_step + self._max_steps_per_batch
 
     def _on_any_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._trainer.interrupted or not self._trainer.training:
+            return  # outside this fit's training (e.g. left registered by a callback whose `on_exception` raised)
         if not any(optimizer is hooked for hooked in self._hooked):  # the hooked ones are handled by `_on_step`
             self._on_step(optimizer, args, kwargs)
 
@@ -229,7 +236,7 @@ class _PreStepCapture:
     def _module_params(self) -> set[Tensor]:
         if self._module_param_set is None:
             self._module_param_set = set(self._trainer.lightning_module.parameters())
-            self._changes_module = {}
+            self._changes_module.clear()
         return self._module_param_set
 
     def _score_cannot_enter_top_k(self, trainer: "pl.Trainer") -> bool:
@@ -268,21 +275,25 @@ class _PreStepCapture:
         # this batch started with
         return (_PRE, value) if self._logged_last_batch else (_UNPAIRED, None)
 
-    def end_batch(self, trainer: "pl.Trainer") -> "_Pairing":
+    def end_batch(self, trainer: "pl.Trainer") -> Optional["_Pairing"]:
         """Decides how a top-k save at the end of this batch pairs its score with weights, and hands over the copies.
 
-        Called at the start of every ``ModelCheckpoint.on_train_batch_end``, whether it saves or not.
+        Called at the start of every ``ModelCheckpoint.on_train_batch_end``; ``None`` when no save can trigger there.
 
         """
         global_step = trainer.global_step
         steps = global_step - self._global_step
         self._max_steps_per_batch = max(self._max_steps_per_batch or 0, steps)
+        checkpoint = self._checkpoint
+        if checkpoint._train_time_interval is None and global_step % checkpoint._every_n_train_steps:
+            self._reset_batch(global_step)  # not a multiple of `every_n_train_steps`: this batch does not save
+            return None
         kind, _ = self._pairing(trainer)
         self._kind = kind
         if kind == _PRE and not self._stepped:
             kind = _LIVE  # no step in this batch: the live weights are the ones it started with
         elif kind == _PRE and not self._armed:
-            kind = _UNPAIRED  # not captured
+            kind = _MISSED  # not captured: e.g. the batch took more optimizer steps than the batches before it
         pairing = _Pairing(
             self, kind, self._params, self._optimizer_states, self._param_groups, self._lr_schedulers, self._global_step
         )
@@ -346,10 +357,16 @@ class _Pairing:
                     f"`ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)` skips top-k"
                     f" saves whose score it cannot pair: the weights that produced the {monitor!r} value it"
                     " would rank are gone. This happens when the value was not logged in this batch (or, from"
-                    " `on_train_batch_end`, in the previous one), or when a batch took more optimizer steps than the"
-                    " batches before it."
+                    " `on_train_batch_end`, in the previous one)."
                 )
             return
+        if self.kind == _MISSED and checkpoint.check_monitor_top_k(trainer, candidates.get(monitor)):
+            capture.warn(
+                f"`ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)` did not copy the weights"
+                f" from before the optimizer steps of a batch whose {monitor!r} value enters the top-k, so its"
+                " checkpoint holds the live weights, as without the option, and has no `pre_optimizer_step` key. This"
+                " happens when a batch takes more optimizer steps than the batches before it."
+            )
         if self.kind != _PRE:
             checkpoint._save_topk_checkpoint(trainer, candidates)
             return
@@ -472,6 +489,12 @@ def _unsupported_reason(trainer: "pl.Trainer", with_optimizer_states: bool) -> O
         type(strategy).lightning_module_state_dict is not Strategy.lightning_module_state_dict
     ):
         return f"`{type(strategy).__name__}` builds the checkpoint's weights itself (e.g. from shards)."
+    for optimizer in trainer.optimizers:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            return (
+                "`LBFGS` evaluates the closure several times in one step, so the logged score comes from weights in"
+                " the middle of the step."
+            )
     for callback in trainer.callbacks:
         if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
             return f"`{type(callback).__name__}` writes averaged weights, not the weights of any single step."
