@@ -737,12 +737,13 @@ def test_a_hook_left_behind_by_a_failing_on_exception_is_inert(tmp_path):
     assert len(_global_optimizer_pre_hooks) == hooks_before + 1
     (capture,) = [hook.__self__ for hook in list(_global_optimizer_pre_hooks.values())[hooks_before:]]
     try:
-        # ...but it copies nothing when the module is trained on after the fit, with an optimizer of its own
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model.probe_score().backward()
-        capture._armed = True
-        opt.step()
-        assert not capture._params
+        # ...but it copies nothing when the module is trained on after the fit, with an optimizer of its own or with
+        # the fit's optimizer, whose own hook is still registered too
+        for opt in (torch.optim.SGD(model.parameters(), lr=0.1), model.trainer.optimizers[0]):
+            model.probe_score().backward()
+            capture._armed = True
+            opt.step()
+            assert not capture._params
     finally:
         capture.stop()
     assert len(_global_optimizer_pre_hooks) == hooks_before
@@ -757,3 +758,20 @@ def test_a_checkpoint_with_the_option_and_one_without_can_run_side_by_side(tmp_p
     assert_pairs(ckpt, marked=True)
     assert len(plain.best_k_models) == len(ckpt.best_k_models) == 8
     assert not [p for p in plain.best_k_models if "pre_optimizer_step" in load(p)]
+
+
+def test_a_layer_swapped_in_place_during_fit_is_captured(tmp_path):
+    class SwapHead(Callback):
+        """Replaces the module's head at step 4 and points the optimizer's param group at the new parameters."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                optimizer, old = trainer.optimizers[0], list(pl_module.head.parameters())
+                pl_module.head = nn.Linear(4, 1)
+                optimizer.param_groups[0]["params"] = list(pl_module.head.parameters())
+                for p in old:
+                    del optimizer.state[p]
+
+    _, ckpt = fit(tmp_path, Net(), callbacks=[SwapHead()], save_top_k=-1)
+    assert_pairs(ckpt, marked=True)
+    assert len(ckpt.best_k_models) == 8

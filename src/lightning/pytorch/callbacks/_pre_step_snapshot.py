@@ -91,7 +91,6 @@ class _PreStepCapture:
         self._metric_key: Optional[tuple[int, int]] = None
         self._metric: Optional[_ResultMetric] = None
         self._module_param_set: Optional[set[Tensor]] = None
-        self._owned_params = 0  # how many parameters the trainer's optimizers held when the set was read
         # whether an optimizer owns trainable module parameters; weak, as the global hook sees optimizers of any owner
         self._changes_module: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
         self._reset_batch(trainer.global_step)
@@ -126,6 +125,7 @@ class _PreStepCapture:
     def _reset_batch(self, global_step: int) -> None:
         self._armed = False
         self._stepped = False  # an optimizer stepped trainable parameters of the module in this batch
+        self._reread = False  # the module's parameters were read again in this batch
         self._params: dict[Tensor, Tensor] = {}  # parameter -> its value before the batch's steps
         self._optimizer_states: dict[Optimizer, dict[Tensor, Optional[dict[str, Any]]]] = {}
         # each optimizer's param group hyperparameters (`lr`, ...) and the schedulers' states that set them
@@ -160,10 +160,6 @@ class _PreStepCapture:
         ):
             return  # the score does not pair with the pre-step weights: a validation score, say
         self._armed = self._save_may_trigger(global_step)
-        if self._armed:
-            owned = sum(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
-            if owned != self._owned_params:  # e.g. `add_param_group`: read the module's parameters again
-                self._owned_params, self._module_param_set = owned, None
 
     def end_epoch(self, trainer: "pl.Trainer") -> None:
         """Notes whether the monitored value was logged in the epoch's last batch, before the results are reset."""
@@ -197,6 +193,8 @@ class _PreStepCapture:
                     changes = self._changes_module[optimizer] = any(True for _ in self._trainable(optimizer))
                 self._stepped = changes
             return
+        if self._trainer.interrupted or not self._trainer.training:
+            return  # a hook left behind by a fit that raised
         with torch.no_grad():
             self._copy_before(optimizer)
 
@@ -230,6 +228,10 @@ class _PreStepCapture:
         module_params = self._module_params()
         for group in optimizer.param_groups:
             for p in group["params"]:
+                if p.requires_grad and p not in module_params and not self._reread:
+                    # new to the module since it was read (`add_param_group`, a swapped layer): read it again, once
+                    self._reread, self._module_param_set = True, None
+                    module_params = self._module_params()
                 if p.requires_grad and p in module_params:
                     yield p
 
@@ -365,7 +367,8 @@ class _Pairing:
                 f"`ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)` did not copy the weights"
                 f" from before the optimizer steps of a batch whose {monitor!r} value enters the top-k, so its"
                 " checkpoint holds the live weights, as without the option, and has no `pre_optimizer_step` key. This"
-                " happens when a batch takes more optimizer steps than the batches before it."
+                " happens when a batch takes more optimizer steps than the batches before it, or when a value logged"
+                " before the step could not enter the top-k and a new one logged after the step can."
             )
         if self.kind != _PRE:
             checkpoint._save_topk_checkpoint(trainer, candidates)
