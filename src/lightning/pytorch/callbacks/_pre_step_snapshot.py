@@ -79,6 +79,7 @@ class _PreStepCapture:
         # torch calls global step pre-hooks for every optimizer, also for those Lightning does not know
         self._global_handle: Optional[RemovableHandle] = register_optimizer_step_pre_hook(self._on_any_step)
         self._hooked: list[Optimizer] = []
+        self._hooked_ids: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # automatic optimization steps at most once per batch; manual optimization, as the module does
         self._max_steps_per_batch: Optional[int] = 1 if trainer.lightning_module.automatic_optimization else None
@@ -113,7 +114,7 @@ class _PreStepCapture:
             handle.remove()
         if self._global_handle is not None:
             self._global_handle.remove()
-        self._handles, self._hooked, self._global_handle = [], [], None
+        self._handles, self._hooked, self._hooked_ids, self._global_handle = [], [], set(), None
         self._module_param_set = None
         self._changes_module.clear()
         self._enabled = False
@@ -145,7 +146,7 @@ class _PreStepCapture:
             self._logged_last_batch = cache is not None and cache is not self._cache_at_start
         self._logged_in_last_batch_of_epoch = False
         self._cache_at_start = cache
-        if not self._enabled or trainer.sanity_checking:
+        if not self._enabled:
             return
         optimizers = list(trainer.optimizers)
         if len(optimizers) != len(self._hooked) or any(a is not b for a, b in zip(optimizers, self._hooked)):
@@ -153,7 +154,7 @@ class _PreStepCapture:
             for handle in self._handles:
                 handle.remove()
             self._handles = [optimizer.register_step_pre_hook(self._on_step) for optimizer in optimizers]
-            self._hooked = optimizers
+            self._hooked, self._hooked_ids = optimizers, {id(optimizer) for optimizer in optimizers}
             self._module_param_set = None
         if self._kind in (_LIVE, _EPOCH) or (
             metric is None and self._checkpoint.monitor in trainer._logger_connector._callback_metrics
@@ -178,10 +179,22 @@ class _PreStepCapture:
         return next_multiple <= global_step + self._max_steps_per_batch
 
     def _on_any_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._trainer.interrupted or not self._trainer.training:
-            return  # outside this fit's training (e.g. left registered by a callback whose `on_exception` raised)
-        if not any(optimizer is hooked for hooked in self._hooked):  # the hooked ones are handled by `_on_step`
+        if id(optimizer) in self._hooked_ids:
+            return  # handled by its own hook, `_on_step`
+        if self._fitting():
             self._on_step(optimizer, args, kwargs)
+
+    def _fitting(self) -> bool:
+        """Whether this fit is training.
+
+        A hook left behind by a fit that raised (a callback's ``on_exception`` raised before ``ModelCheckpoint``'s)
+        must do nothing.
+
+        """
+        from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
+
+        state = self._trainer.state
+        return state.stage is RunningStage.TRAINING and state.status is TrainerStatus.RUNNING
 
     def _on_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """Runs before ``optimizer.step()``: copies what this step is about to change, once per batch."""
@@ -193,8 +206,8 @@ class _PreStepCapture:
                     changes = self._changes_module[optimizer] = any(True for _ in self._trainable(optimizer))
                 self._stepped = changes
             return
-        if self._trainer.interrupted or not self._trainer.training:
-            return  # a hook left behind by a fit that raised
+        if not self._fitting():
+            return
         with torch.no_grad():
             self._copy_before(optimizer)
 
