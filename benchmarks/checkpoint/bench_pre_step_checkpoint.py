@@ -10,7 +10,8 @@ noisy and decreasing. Printed, in one run:
    copy is skipped when it cannot enter) and when it is not (automatic optimization: the loss is computed inside the
    step's closure);
 3. step time with ``every_n_train_steps=10``, option on and off, in alternating blocks within this one process, so
-   that the 10-18% throughput noise between processes does not swamp a 1% effect;
+   that the 10-18% throughput noise between processes does not swamp a 1% effect, counted as this thread's CPU
+   time, which other jobs on the machine do not add to; then the CPU time spent in the capture's own code;
 4. with ``--stock-python`` (an interpreter with the released ``lightning==2.6.6``): the same blocks there, stock and
    with the ``saved_models`` workaround that 2.6 documented (clone the weights in every batch). These run in another
    process, so compare them with care.
@@ -104,7 +105,7 @@ class Meter(Callback):
 
 
 class StepClock(Callback):
-    """Wall time from one batch start to the next: everything a batch costs, its save included."""
+    """Time (wall, or CPU with `clock=time.thread_time`) from one batch start to the next: everything a batch costs."""
 
     def __init__(self, clock=time.perf_counter):
         self.times = []
@@ -165,13 +166,14 @@ class OwnTime:
 
 
 def block_times(kinds, blocks, steps, every_n):
-    """Per-batch wall time of each kind (label -> fit kwargs): the median over alternating blocks, in this process,
-    of each block's mean (which includes its saves and copies)."""
+    """Per-batch CPU time of this thread for each kind (label -> fit kwargs): the median over alternating blocks, in
+    this process, of each block's mean (which includes its saves and copies). With one torch thread, the batch's
+    compute, the capture and the save all run in this thread."""
     per_kind = {label: [] for label in kinds}
     for block in range(blocks + 1):  # the first round warms up and is not counted
         for label, (manual, workaround, pre_step) in kinds.items():
             seed_everything(0, verbose=False)
-            clock = StepClock()
+            clock = StepClock(time.thread_time)  # CPU time: other processes on the machine do not add to it
             kwargs = {"every_n_train_steps": every_n, "save_top_k": 1}
             if pre_step:
                 kwargs["save_pre_optimizer_step_weights"] = True
@@ -241,7 +243,7 @@ def main():
     }
     times = block_times(kinds, args.blocks, args.block_steps, every_n=10)
     blocks = f"{args.blocks} alternating blocks of {args.block_steps} steps"
-    print(f"\nstep time, every_n_train_steps=10, median of {blocks}:")
+    print(f"\nstep CPU time, every_n_train_steps=10, median of {blocks}:")
     for mode in ("manual", "automatic"):
         off, on = times[f"{mode}, option off"], times[f"{mode}, option on"]
         overhead = on / off - 1
