@@ -129,6 +129,7 @@ def test_node_ids_keep_classes_and_a_crash_is_a_failure(tmp_path: Path):
         "@pytest.mark.standalone\ndef test_crash():\n    os._exit(3)\n",
     )
     write(tmp_path / "tests/conftest.py", TINY_CONFTEST)
+    write(tmp_path / "pyproject.toml", "[tool.pytest.ini_options]\n")  # a checkout is its own rootdir, as upstream's
     results = run_selection(Path(sys.executable), tmp_path, ["tests/pkg"], tmp_path / "report.xml")
     assert {nodeid: o.outcome for nodeid, o in results.items()} == {
         "tests/pkg/test_x.py::TestOuter::test_same": "passed",

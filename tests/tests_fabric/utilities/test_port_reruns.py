@@ -62,8 +62,9 @@ _CONFLICT = textwrap.dedent(
 
 
 def _run(tmp_path, test_source, *args, env=None, conftest=_CONFTEST, ini=None):
-    if ini is not None:
-        (tmp_path / "pytest.ini").write_text(ini)
+    # the inner suite's own ini file makes `tmp_path` its rootdir, wherever the temp dir is (nox puts it inside the
+    # repository, whose pyproject.toml would otherwise be the rootdir and prefix every node id)
+    (tmp_path / "pytest.ini").write_text(ini or "[pytest]\n")
     (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "conflict.py").write_text(_CONFLICT)
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(test_source))
