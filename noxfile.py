@@ -142,8 +142,14 @@ def oldest(session: nox.Session) -> None:
     lowest = session.run("python", ".ci/torch_matrix.py", "oldest-requirements", silent=True)
     assert isinstance(lowest, str)
     session.log("lowest requirements: " + " ".join(lowest.split()))
-    session.install(*lowest.split(), "-c", str(constraints))
+    # the lowest versions join the constraints and the test requirements are resolved again against them: installed
+    # over the newest, they left pytest 9 with packaging 23.0, below what it requires, and pkg_resources (which
+    # lightning-utilities 0.10 asks) then denied that pytest-rerunfailures was installed at all
+    with constraints.open("a", encoding="utf-8") as f:
+        f.write("".join(re.sub(r"\[[^\]]*\]", "", req) + "\n" for req in lowest.split()))  # no extras in constraints
+    session.install("-r", "tests/requirements.txt", *lowest.split(), "-c", str(constraints))
     session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
+    session.run("python", "-m", "pip", "check")  # every installed distribution's requirements hold
     _check_and_test(session, OLDEST, "oldest")
 
 
