@@ -147,7 +147,8 @@ def oldest(session: nox.Session) -> None:
     # lightning-utilities 0.10 asks) then denied that pytest-rerunfailures was installed at all
     with constraints.open("a", encoding="utf-8") as f:
         f.write("".join(re.sub(r"\[[^\]]*\]", "", req) + "\n" for req in lowest.split()))  # no extras in constraints
-    session.install("-r", "tests/requirements.txt", *lowest.split(), "-c", str(constraints))
+    # the fork too, so that its other requirements (torchmetrics needs a newer lightning-utilities) are resolved again
+    session.install("-r", "tests/requirements.txt", ".", *lowest.split(), "-c", str(constraints))
     session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
     session.run("python", "-m", "pip", "check")  # every installed distribution's requirements hold
     _check_and_test(session, OLDEST, "oldest")
