@@ -1,0 +1,252 @@
+"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` (issue #20947): where the rule cannot apply, the checkpoint
+holds the live weights, as without the option, with one warning; nothing is left behind by a fit that raises."""
+
+import gc
+import types
+
+import pytest
+import torch
+from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
+    PROBE_X,
+    PROBE_Y,
+    Net,
+    assert_live,
+    assert_pairs,
+    checkpoint,
+    fit,
+    load,
+    messages,
+    recorded_warnings,
+)
+from torch import nn
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+FALLBACK = "saves the live weights as if it were off"
+LIVE = "holds the live weights, after the optimizer step, as without the option"
+
+
+class DuckSGD:
+    """An `Optimizable` that is not a `torch.optim.Optimizer`: plain SGD."""
+
+    def __init__(self, params, lr):
+        self.param_groups = [{"params": list(params), "lr": lr}]
+        self.defaults = {"lr": lr}
+        self.state = {}
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        with torch.no_grad():
+            for p in self.param_groups[0]["params"]:
+                if p.grad is not None:
+                    p.sub_(self.param_groups[0]["lr"] * p.grad)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    def state_dict(self):
+        return {"state": {}, "param_groups": [{"lr": self.param_groups[0]["lr"], "params": [0, 1]}]}
+
+    def load_state_dict(self, state_dict):
+        self.param_groups[0]["lr"] = state_dict["param_groups"][0]["lr"]
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_any_optimizable_works(tmp_path, weights_only):
+    class DuckNet(Net):
+        def configure_optimizers(self):
+            return DuckSGD(self.parameters(), lr=0.1)
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(
+            tmp_path, DuckNet(manual=False), checkpoints=[checkpoint(tmp_path, save_weights_only=weights_only)]
+        )
+    assert_pairs(ckpt)
+    assert not messages(caught, "save_pre_optimizer_step_weights")
+
+
+def test_a_step_lightning_does_not_see_falls_back_with_one_warning(tmp_path):
+    """`use_pl_optimizer=False` for the optimizer that steps first: Lightning's hook only sees the second."""
+
+    class RawFirst(Net):
+        def configure_optimizers(self):
+            head, bias = self.head.weight, self.head.bias
+            return torch.optim.SGD([head], lr=0.05), torch.optim.SGD([bias], lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y))
+            raw = self.optimizers(use_pl_optimizer=False)[0]
+            wrapped = self.optimizers()[1]
+            raw.zero_grad()
+            wrapped.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self.head(x), y))
+            raw.step()
+            wrapped.step()
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, RawFirst(manual=True))
+    assert len(messages(caught, "the weights changed outside Lightning's optimizer steps")) == 1
+    assert_live(ckpt)
+
+
+def test_a_raw_step_before_lightnings_first_step_falls_back(tmp_path):
+    """Another optimizer that Lightning does not wrap steps first: the state the batch started with is gone."""
+
+    class RawThenWrapped(Net):
+        def configure_optimizers(self):
+            self.raw = torch.optim.SGD(self.parameters(), lr=0.01)
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.raw.zero_grad()
+            nn.functional.mse_loss(self.head(x), y).backward()
+            self.raw.step()
+            return super().training_step(batch, batch_idx)
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, RawThenWrapped(manual=True))
+    assert len(messages(caught, "the weights changed outside Lightning's optimizer steps")) == 1
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+
+
+def test_gradient_accumulation_pairs_with_the_state_before_the_stepping_batch(tmp_path):
+    _, (ckpt,) = fit(tmp_path, Net(manual=False), accumulate_grad_batches=2, max_steps=8)
+    assert_pairs(ckpt)
+
+
+class StateDictWithPrefix(Net):
+    def state_dict(self, *args, **kwargs):
+        return {f"renamed.{k}": v for k, v in super().state_dict(*args, **kwargs).items()}
+
+
+class OwnStateDictStrategy(SingleDeviceStrategy):
+    def lightning_module_state_dict(self):
+        return super().lightning_module_state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"strategy": OwnStateDictStrategy(device="cpu")}, "`OwnStateDictStrategy` builds or writes the checkpoint"),
+        ({"callbacks": [EMAWeightAveraging()]}, "a weight averaging callback writes averaged weights"),
+        ({"model": "lbfgs"}, "`LBFGS` runs the closure several times in one step"),
+    ],
+)
+def test_what_the_rule_cannot_serve_falls_back_with_one_warning(tmp_path, kwargs, expected):
+    class LBFGSNet(Net):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    model = LBFGSNet(manual=False) if kwargs.pop("model", None) else Net(manual=False)
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, model, **kwargs)
+    assert len(messages(caught, FALLBACK)) == 1
+    assert expected in messages(caught, FALLBACK)[0]
+    assert ckpt._pre_step is None
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+
+
+def test_a_state_dict_that_does_not_name_the_parameters_falls_back(tmp_path):
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, StateDictWithPrefix(manual=False))
+    assert len(messages(caught, "does not name the parameters")) == 1
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+
+
+class Boom(Exception):  # noqa: N818
+    pass
+
+
+class RaiseAt(Callback):
+    def __init__(self, step, in_on_exception=False):
+        self.step = step
+        self.in_on_exception = in_on_exception
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise Boom
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self.in_on_exception:
+            raise Boom("from on_exception")
+
+
+def reaches(start, target, limit=20_000):
+    """Whether ``target`` can be reached from ``start`` through object references.
+
+    Not through classes, modules or bound methods: Lightning itself gives every callback the module's `log` methods.
+
+    """
+    seen, todo = {id(start)}, [start]
+    while todo and len(seen) < limit:
+        for ref in gc.get_referents(todo.pop()):
+            if ref is target:
+                return True
+            if id(ref) not in seen and not isinstance(
+                ref, (type, types.ModuleType, types.FunctionType, types.MethodType)
+            ):
+                seen.add(id(ref))
+                todo.append(ref)
+    assert len(seen) < limit
+    return False
+
+
+@pytest.mark.parametrize("in_on_exception", [False, True])
+def test_a_fit_that_raises_leaves_no_reference_to_the_trainer(tmp_path, in_on_exception):
+    """Also when another callback's `on_exception` raises first, so that `ModelCheckpoint`'s never runs: then the
+    checkpoint keeps its last copy (not the model) until its next fit."""
+    ckpt = checkpoint(tmp_path, every_n_train_steps=1)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=8,
+        callbacks=[RaiseAt(3, in_on_exception), ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    model = Net(manual=False)
+    with pytest.raises(Boom):
+        trainer.fit(model)
+    assert not reaches(ckpt, trainer)
+    assert not reaches(ckpt, model)
+    assert (ckpt._pre_step is None) is not in_on_exception
+    # the next fit captures again
+    fit(tmp_path, Net(manual=False), checkpoints=[ckpt])
+    assert ckpt._pre_step is None
+    assert_pairs(ckpt)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"monitor": None}, {"save_top_k": 0}, {"every_n_train_steps": None, "every_n_epochs": 1}]
+)
+def test_the_option_without_a_top_k_save_at_batch_end_is_an_error(kwargs):
+    kwargs = {"monitor": "score", "every_n_train_steps": 2, **kwargs}
+    with pytest.raises(MisconfigurationException, match="save_pre_optimizer_step_weights=True"):
+        ModelCheckpoint(save_pre_optimizer_step_weights=True, **kwargs)
+
+
+def test_the_saved_models_notice_names_the_option(tmp_path):
+    class Workaround(Net):
+        def training_step(self, batch, batch_idx):
+            self.saved_models = {}
+            return super().training_step(batch, batch_idx)
+
+    with recorded_warnings() as caught:
+        fit(tmp_path, Workaround(manual=True), checkpoints=[ModelCheckpoint(tmp_path, every_n_train_steps=2)])
+    (notice,) = messages(caught, "no longer reads the `saved_models` attribute")
+    assert "`ModelCheckpoint(save_pre_optimizer_step_weights=True)`" in notice
+
+
+def test_without_the_option_files_hold_the_live_weights(tmp_path):
+    ckpt = ModelCheckpoint(tmp_path, monitor="score", every_n_train_steps=2, save_top_k=3)
+    _, _ = fit(tmp_path, Net(manual=True), checkpoints=[ckpt])
+    assert ckpt._pre_step is None
+    assert_live(ckpt)
