@@ -17,6 +17,7 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     load,
     messages,
     recorded_warnings,
+    score_of,
 )
 from torch import nn
 
@@ -154,10 +155,30 @@ def test_what_the_rule_cannot_serve_falls_back_with_one_warning(tmp_path, kwargs
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
+def test_a_layer_swapped_during_the_fit_falls_back_once(tmp_path):
+    """The save right after the swap holds the live state, with one warning; the later ones pair again."""
+
+    class Swap(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 7:  # after this batch's step, before the checkpoint's save at step 8
+                pl_module.head = nn.Linear(4, 1)
+                trainer.strategy.setup_optimizers(trainer)
+
+    ckpt = checkpoint(tmp_path, save_top_k=-1, save_weights_only=True)
+    with recorded_warnings() as caught:
+        fit(tmp_path, Net(manual=False), callbacks=[Swap()], checkpoints=[ckpt])
+    assert len(messages(caught, "the module's parameters changed during the fit")) == 1
+    marked = {load(path)["global_step"]: "pre_optimizer_step" in load(path) for path in ckpt.best_k_models}
+    assert marked == {2: True, 4: True, 6: True, 8: False, 10: True, 12: True, 14: True, 16: True}
+    for path, score in ckpt.best_k_models.items():
+        if "pre_optimizer_step" in load(path):
+            torch.testing.assert_close(score_of(load(path)["state_dict"]), score.float(), rtol=0, atol=0)
+
+
 def test_a_state_dict_that_does_not_name_the_parameters_falls_back(tmp_path):
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, StateDictWithPrefix(manual=False))
-    assert len(messages(caught, "does not name the parameters")) == 1
+    assert len(messages(caught, "its state dict renames them")) == 1
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 

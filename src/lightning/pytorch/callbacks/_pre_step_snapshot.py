@@ -13,7 +13,6 @@
 # limitations under the License.
 """Checkpoints that hold the state from before a training batch's first optimizer step."""
 
-import copy
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -36,9 +35,12 @@ class _PreStepCapture:
 
     """
 
-    def __init__(self, checkpoints: list["ModelCheckpoint"], automatic: bool, with_optimizer_states: bool) -> None:
+    def __init__(
+        self, trainer: "pl.Trainer", checkpoints: list["ModelCheckpoint"], with_optimizer_states: bool
+    ) -> None:
         self._checkpoints = checkpoints
-        self._automatic = automatic
+        self._automatic = trainer.lightning_module.automatic_optimization
+        self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_optimizer_states = with_optimizer_states
         self._warning_cache = WarningCache()
         self.reset()
@@ -54,7 +56,7 @@ class _PreStepCapture:
         if reason is not None:
             rank_zero_warn(f"`save_pre_optimizer_step_weights=True` saves the live weights as if it were off: {reason}")
             return None
-        return cls(sharers, trainer.lightning_module.automatic_optimization, with_optimizer_states)  # type: ignore[arg-type]
+        return cls(trainer, sharers, with_optimizer_states)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         self.copy: Optional[dict[str, Any]] = None
@@ -72,7 +74,7 @@ class _PreStepCapture:
             for c in self._checkpoints
         )
         if self._armed:
-            self._versions = _versions(trainer)
+            self._versions = self._read_versions()
             metrics = trainer.callback_metrics
             self._start_values = {c.monitor: metrics.get(c.monitor) for c in self._checkpoints}  # type: ignore[misc]
 
@@ -81,24 +83,26 @@ class _PreStepCapture:
             return  # only before the first step of a batch that may save
         self._stepped = True
         metrics = trainer.callback_metrics
-        if _versions(trainer) != self._versions or not any(
+        if self._read_versions() != self._versions or not any(
             self._needs_copy(c, metrics.get(c.monitor)) for c in self._checkpoints
         ):
             return  # the state the batch started with is gone, or no save can use it
         clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
         with torch.no_grad():
             params = {
-                name: clones.setdefault(p, p.detach().clone())
-                for name, p in trainer.lightning_module.named_parameters(remove_duplicate=False)
-                if p.requires_grad
+                name: (p, clones.setdefault(p, p.detach().clone())) for name, p in self._named_params if p.requires_grad
             }
         states = {}
         if self._with_optimizer_states:
-            states = copy.deepcopy({
+            states = _clone({
                 "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             })
         self.copy = {"global_step": trainer.global_step, "params": params, "states": states}
+
+    def _read_versions(self) -> list[int]:
+        # every in-place update of a tensor, by any optimizer, increases its version counter
+        return [p._version for _, p in self._named_params]
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
         if not self._logged_in_batch(checkpoint.monitor, value):
@@ -124,7 +128,7 @@ class _PreStepCapture:
         reason = None  # without a step in the batch, the live weights are the ones it started with
         if not self._logged_in_batch(monitor, trainer.callback_metrics.get(monitor)):  # type: ignore[arg-type]
             reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, or logged in an earlier batch)"
-        elif self.copy is None and (self._stepped or _versions(trainer) != self._versions):
+        elif self.copy is None and (self._stepped or self._read_versions() != self._versions):
             reason = (
                 "the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`), or the"
                 " value known before the step could not enter the top-k, so nothing was copied"
@@ -132,13 +136,14 @@ class _PreStepCapture:
         written: list[bool] = []
         connector, copied = trainer._checkpoint_connector, self.copy
         if reason is None and copied is not None:
-            connector._checkpoint_transform = lambda c: written.append(_write(copied, c))
+            connector._checkpoint_transform = lambda c: written.append(_write(copied, c, trainer.lightning_module))
         try:
             trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
         finally:
             connector._checkpoint_transform = None
         if written == [False]:
-            reason = "its state dict does not name the parameters as `named_parameters()` does"
+            reason = "the module's parameters changed during the fit, or its state dict renames them"
+            self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         if checkpoint is self._checkpoints[-1]:
             self.copy = None  # the last checkpoint that can use it has saved
         if reason is not None:
@@ -148,23 +153,32 @@ class _PreStepCapture:
             )
 
 
-def _write(copied: dict[str, Any], checkpoint: dict[str, Any]) -> bool:
-    """Puts the copy in place of the live values in ``checkpoint``, only if all of it fits."""
-    state_dict = checkpoint["state_dict"]
-    if any(getattr(state_dict.get(name), "shape", None) != value.shape for name, value in copied["params"].items()):
+def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.LightningModule") -> bool:
+    """Puts the copy in place of the live values in ``checkpoint``, if it holds exactly the trainable parameters."""
+    params, state_dict = copied["params"], checkpoint["state_dict"]
+    named = module.named_parameters(remove_duplicate=False)
+    if any(p.requires_grad and params.get(name, (None,))[0] is not p for name, p in named):
+        return False
+    if any(name not in state_dict for name in params):
         return False
     states = copied["states"] if "optimizer_states" in checkpoint else {}
     if states and len(states["optimizer_states"]) != len(checkpoint["optimizer_states"]):
         return False
-    state_dict.update(copied["params"])
+    state_dict.update({name: clone for name, (_, clone) in params.items()})
     checkpoint.update(states)
     checkpoint[PRE_OPTIMIZER_STEP_KEY] = {"global_step": copied["global_step"]}
     return True
 
 
-def _versions(trainer: "pl.Trainer") -> list[int]:
-    """The trainable parameters' version counters: every in-place update, by any optimizer, increases them."""
-    return [p._version for p in trainer.lightning_module.parameters() if p.requires_grad]
+def _clone(obj: Any) -> Any:
+    """A copy of a state dict: its tensors cloned, its containers rebuilt."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, (dict, list, tuple)):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        cloned = {key: _clone(value) for key, value in items}
+        return cloned if isinstance(obj, dict) else type(obj)(cloned.values())
+    return obj
 
 
 def _warn_on_resume(trainer: "pl.Trainer", checkpoint: dict[str, Any], warning_cache: WarningCache) -> None:
