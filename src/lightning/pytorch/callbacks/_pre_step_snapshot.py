@@ -29,19 +29,13 @@ PRE_OPTIMIZER_STEP_KEY = "pre_optimizer_step"
 
 
 class _PreStepCapture:
-    """Copies the state from before a batch's first optimizer step, once, for every checkpoint with the option.
+    """Copies the state from before a batch's first step once for the checkpoints with the option; the first leads."""
 
-    The first of them leads. Nothing here leads into a collective: ranks may copy differently.
-
-    """
-
-    def __init__(
-        self, trainer: "pl.Trainer", checkpoints: list["ModelCheckpoint"], with_optimizer_states: bool
-    ) -> None:
+    def __init__(self, trainer: "pl.Trainer", checkpoints: list["ModelCheckpoint"], with_states: bool) -> None:
         self._checkpoints = checkpoints
         self._automatic = trainer.lightning_module.automatic_optimization
         self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
-        self._with_optimizer_states = with_optimizer_states
+        self._with_states = with_states
         self._warning_cache = WarningCache()
         self.reset()
 
@@ -51,12 +45,12 @@ class _PreStepCapture:
         sharers = [c for c in trainer.checkpoint_callbacks if getattr(c, "_save_pre_optimizer_step_weights", False)]
         if checkpoint is not sharers[0]:
             return sharers[0]._pre_step  # type: ignore[attr-defined]
-        with_optimizer_states = any(not c.save_weights_only for c in sharers)  # type: ignore[attr-defined]
-        reason = _unsupported_reason(trainer, with_optimizer_states)
+        with_states = any(not c.save_weights_only for c in sharers)  # type: ignore[attr-defined]
+        reason = _unsupported_reason(trainer, with_states)
         if reason is not None:
             rank_zero_warn(f"`save_pre_optimizer_step_weights=True` saves the live weights as if it were off: {reason}")
             return None
-        return cls(trainer, sharers, with_optimizer_states)  # type: ignore[arg-type]
+        return cls(trainer, sharers, with_states)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         self.copy: Optional[dict[str, Any]] = None
@@ -83,17 +77,17 @@ class _PreStepCapture:
             return  # only before the first step of a batch that may save
         self._stepped = True
         metrics = trainer.callback_metrics
-        if self._read_versions() != self._versions or not any(
-            self._needs_copy(c, metrics.get(c.monitor)) for c in self._checkpoints
-        ):
-            return  # the state the batch started with is gone, or no save can use it
+        if not any(self._needs_copy(c, metrics.get(c.monitor)) for c in self._checkpoints):
+            return  # no save can use it
+        if self._read_versions() != self._versions:
+            return  # the state the batch started with is gone
         clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
         with torch.no_grad():
             params = {
                 name: (p, clones.setdefault(p, p.detach().clone())) for name, p in self._named_params if p.requires_grad
             }
         states = {}
-        if self._with_optimizer_states:
+        if self._with_states:
             states = _clone({
                 "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -181,18 +175,7 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
-def _warn_on_resume(trainer: "pl.Trainer", checkpoint: dict[str, Any], warning_cache: WarningCache) -> None:
-    """Says what ``fit(ckpt_path=...)`` does with a checkpoint that holds the state from before its batch's step."""
-    pre_step = checkpoint.get(PRE_OPTIMIZER_STEP_KEY)
-    if pre_step is not None and trainer.state.fn == "fit":
-        warning_cache.warn(
-            f"The checkpoint holds the state from before the optimizer step at global step {pre_step['global_step']}"
-            f" and the loops' progress from after it: `fit` resumes at step {checkpoint.get('global_step')}, without"
-            " that batch's update. Resume from `last.ckpt` to continue exactly."
-        )
-
-
-def _unsupported_reason(trainer: "pl.Trainer", with_optimizer_states: bool) -> Optional[str]:
+def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[str]:
     """Why the pre-step state cannot be written with this trainer, or ``None`` if it can."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
     from lightning.pytorch.strategies import Strategy
@@ -204,7 +187,7 @@ def _unsupported_reason(trainer: "pl.Trainer", with_optimizer_states: bool) -> O
         return "`LBFGS` runs the closure several times in one step, so the score is from inside the step."
     if any(isinstance(c, (WeightAveraging, StochasticWeightAveraging)) for c in trainer.callbacks):
         return "a weight averaging callback writes averaged weights."
-    if with_optimizer_states and (
+    if with_states and (
         cls.optimizer_state is not Strategy.optimizer_state
         or any(hasattr(optimizer, "consolidate_state_dict") for optimizer in trainer.optimizers)
     ):
