@@ -41,6 +41,7 @@ class SameDeferralOnEveryRank(Callback):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 @pytest.mark.parametrize(
     ("manual", "val_check_interval"), [(True, 1.0), (False, 1.0), (False, 0.5)], ids=["manual", "automatic", "deferral"]
 )
