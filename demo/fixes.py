@@ -74,6 +74,49 @@ def checkpoint_case() -> dict[str, Any]:
     return {"version": lightning.__version__, "batch": batch, "score": float(best.best_model_score), "file": file_loss}
 
 
+def interval_case() -> dict[str, Any]:
+    """Manual optimization, `ModelCheckpoint(train_time_interval=50 ms, save_top_k=-1)`: how many files it writes."""
+    import datetime
+    import tempfile
+    import warnings
+
+    import torch
+
+    import lightning
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Model(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.layer(batch).pow(2).mean())
+            opt.step()
+            time.sleep(0.02)  # 10 steps of 20 ms or more: the 50 ms interval passes several times
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = ModelCheckpoint(dirpath=tmp, train_time_interval=datetime.timedelta(milliseconds=50), save_top_k=-1)
+        trainer = Trainer(
+            max_steps=10,
+            callbacks=[every],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+        )
+        trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(40, 4), batch_size=4))
+        return {"version": lightning.__version__, "files": len(os.listdir(tmp))}
+
+
 def _picker(barrier: Any, results: Any) -> None:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
@@ -173,6 +216,12 @@ def main() -> None:
         )
     assert abs(fork["file"] - fork["score"]) < 1e-6, "the fork's best file holds weights other than the scored ones"
 
+    print("\n0003 pytorch: manual optimization, ModelCheckpoint(train_time_interval=50 ms), 10 steps of 20 ms or more")
+    interval = run("--interval-case")
+    for side, row in [*([("stock", run("--interval-case", stock))] if stock else []), ("fork", interval)]:
+        print(f"     {side:5} {row['version']:17} {row['files']} checkpoint files written")
+    assert interval["files"] > 0, "the fork wrote no checkpoint with train_time_interval under manual optimization"
+
     print(f"\n0002 fabric: {PICKERS} processes pick a rendezvous port (LightningEnvironment().main_port) {PICKS} times")
     for side, env in [*([("stock", stock)] if stock else []), ("fork", None)]:
         race = run("--port-race", env)
@@ -185,7 +234,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cases = {"--checkpoint-case": checkpoint_case, "--port-race": port_race}
+    cases = {"--checkpoint-case": checkpoint_case, "--interval-case": interval_case, "--port-race": port_race}
     if sys.argv[1:2] and sys.argv[1] in cases:
         print(json.dumps(cases[sys.argv[1]]()))
     else:
