@@ -55,9 +55,7 @@ def own_new_files(project: Path, *globs: str) -> None:
     text = patch.read_text(encoding="utf-8")
     fields = re.search(r"\nForwarded: [^\n]*\n", text)
     assert fields, patch
-    patch.write_text(
-        text[: fields.end()] + f"New-Files: {' '.join(globs)}\n" + text[fields.end() :], encoding="utf-8"
-    )
+    patch.write_text(text[: fields.end()] + f"New-Files: {' '.join(globs)}\n" + text[fields.end() :], encoding="utf-8")
 
 
 def make_venv(path: Path, with_pip: bool = False) -> Path:

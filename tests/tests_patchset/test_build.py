@@ -8,9 +8,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import FORK, DEMO, copy_project, git, make_venv, pip, run_python, site_packages, write
+from patchset_helpers import DEMO, FORK, copy_project, git, make_venv, pip, run_python, site_packages, write
 
 pytestmark = pytest.mark.slow
+
 
 def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch, upstream_sdist: Path):
     from patchset import backend

@@ -40,9 +40,10 @@ def test_release_tags_the_commit_then_moves_the_label(checkout: Path, run_cli):
         f"nothing was pushed; to publish: git push origin HEAD {tag} (the release workflow attaches the wheels)",
     ]
     # the tagged commit is the release: its CHANGELOG names it, its pin builds it
-    assert git(checkout, "show", f"{tag}:CHANGELOG.md") == CHANGELOG.replace(
-        "## [Unreleased]", f"## [{FORK}] - 2026-12-01"
-    ).strip()
+    assert (
+        git(checkout, "show", f"{tag}:CHANGELOG.md")
+        == CHANGELOG.replace("## [Unreleased]", f"## [{FORK}] - 2026-12-01").strip()
+    )
     assert f"local-version = {FORK.split('+')[1]}" in git(checkout, "show", f"{tag}:patches/upstream.pin")
     assert git(checkout, "tag", "-l", "--format=%(contents)", tag).splitlines() == [
         f"Lightning patch set {FORK}",
@@ -54,8 +55,10 @@ def test_release_tags_the_commit_then_moves_the_label(checkout: Path, run_cli):
     # the commit after it builds the next label, with an empty [Unreleased] section
     assert git(checkout, "rev-parse", "HEAD~1") == released
     assert read_pin(checkout).fork_version == NEXT
-    assert (checkout / "CHANGELOG.md").read_text().startswith(
-        f"# Changelog\n\n## [Unreleased]\n\n## [{FORK}] - 2026-12-01\n"
+    assert (
+        (checkout / "CHANGELOG.md")
+        .read_text()
+        .startswith(f"# Changelog\n\n## [Unreleased]\n\n## [{FORK}] - 2026-12-01\n")
     )
     assert git(checkout, "status", "--porcelain") == ""
     again = run_cli(checkout, "release")
@@ -98,7 +101,7 @@ def test_a_tag_and_a_commit_pin_install_from_a_fresh_venv(checkout: Path, run_cl
     write(
         consumer / "pyproject.toml",
         f'[project]\nname = "consumer"\nversion = "1"\ndependencies = ["lightning @ {url}@{commit}"]\n'
-        '[tool.setuptools]\npy-modules = []\n',
+        "[tool.setuptools]\npy-modules = []\n",
     )
     proc = pip(bundled_pip_venv, "install", "--no-build-isolation", str(consumer))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -170,7 +170,10 @@ def test_the_record_names_a_commit_upstream_has_and_what_each_local_commit_chang
     upstream, local = upstream_ancestor(onto, git(onto, "rev-parse", "HEAD"), "patchset/first")
     assert upstream == git(remote, "rev-parse", "HEAD")
     dropped, pr = git(onto, "rev-parse", "HEAD~1"), git(onto, "rev-parse", "HEAD")
-    assert local == [f"`{dropped[:12]}` deletes `docs/big.gif`, nothing else", f"`{pr[:12]}` the PR branch `patchset/first`"]
+    assert local == [
+        f"`{dropped[:12]}` deletes `docs/big.gif`, nothing else",
+        f"`{pr[:12]}` the PR branch `patchset/first`",
+    ]
     assert upstream_ancestor(onto, upstream, "master") == (upstream, [])
 
 

@@ -111,7 +111,7 @@ def _release(args: argparse.Namespace) -> int:
     from patchset.release import release
 
     done = release(args.project, args.date)
-    print(f"released {done.version}: tag {done.tag} at {done.commit[:12]}; this checkout now builds {done.next_version}")
+    print(f"released {done.version}: tag {done.tag} at {done.commit[:12]}; this checkout now builds", done.next_version)
     print(f"nothing was pushed; to publish: git push origin HEAD {done.tag} (the release workflow attaches the wheels)")
     return 0
 

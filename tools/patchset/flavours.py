@@ -223,9 +223,11 @@ def shared_about(tree: Path) -> dict[str, str]:
     path = tree / "src" / "lightning" / "__about__.py"
     values = {}
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in _SHARED_ABOUT and isinstance(node.value, ast.Constant):
-                values[node.targets[0].id] = str(node.value.value)
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not isinstance(node.value, ast.Constant):
+            continue
+        target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id in _SHARED_ABOUT:
+            values[target.id] = str(node.value.value)
     missing = [key for key in _SHARED_ABOUT if key not in values]
     if missing:
         raise PatchsetError(f"{path}: no string {', '.join(missing)}: cannot write the flavours' __about__.py")

@@ -169,7 +169,7 @@ def environment_cause(reason: str) -> str | None:
 
 
 def portable(text: str, places: dict[Path, str]) -> str:
-    """``text`` without this machine's paths: each of ``places`` (longest first) becomes its name, e.g. ``<checkout>``."""
+    """``text`` without this machine's paths: each of ``places`` (longest first) becomes its name (``<checkout>``)."""
     for path, name in sorted(places.items(), key=lambda item: -len(str(item[0]))):
         text = text.replace(str(path), name)
     return text
