@@ -20,16 +20,11 @@ from typing import Any
 PICKERS, PICKS = 6, 60  # processes picking ports at once, ports each (each picker holds all of its picks)
 
 
-def checkpoint_case() -> dict[str, Any]:
-    """Manual optimization, `every_n_train_steps=1`, `save_top_k=1`: what is in the best file, and its loss."""
-    import tempfile
-    import warnings
-
+def _manual_model(pause: float = 0.0) -> Any:
+    """A one-layer module under manual optimization; it logs `loss`, the loss of its weights before each step."""
     import torch
 
-    import lightning
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch import LightningModule
 
     class Model(LightningModule):
         def __init__(self) -> None:
@@ -44,30 +39,53 @@ def checkpoint_case() -> dict[str, Any]:
             opt.zero_grad()
             self.manual_backward(loss)
             opt.step()
+            time.sleep(pause)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    torch.manual_seed(0)
-    data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    return Model()
+
+
+def _fit(model: Any, callback: Any, data: Any, batch_size: int, max_steps: int) -> None:
+    import warnings
+
+    import torch
+
+    from lightning.pytorch import Trainer
+
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # the fork's one option (off by default: the copy costs memory); stock has no such argument
-        option = {"save_pre_optimizer_step_weights": True} if "+patchset" in lightning.__version__ else {}
-        best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1, **option)
         trainer = Trainer(
-            max_steps=4,
-            callbacks=[best],
+            max_steps=max_steps,
+            callbacks=[callback],
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            enable_checkpointing=True,
             accelerator="cpu",
         )
-        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=2))
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=batch_size))
+
+
+def checkpoint_case() -> dict[str, Any]:
+    """Manual optimization, `every_n_train_steps=1`, `save_top_k=1`: what is in the best file, and its loss."""
+    import tempfile
+
+    import torch
+
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
+    with tempfile.TemporaryDirectory() as tmp:
+        # the fork's one option (off by default: the copy costs memory); stock has no such argument
+        option = {"save_pre_optimizer_step_weights": True} if "+patchset" in lightning.__version__ else {}
+        best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1, **option)
+        _fit(_manual_model(), best, data, batch_size=2, max_steps=4)
         saved = torch.load(best.best_model_path, weights_only=False)
     batch = saved["global_step"] - 1  # one optimizer step per batch: the step the file was written after
-    probe = Model()
+    probe = _manual_model()
     probe.load_state_dict(saved["state_dict"])
     with torch.no_grad():
         file_loss = float(probe.layer(data[2 * batch : 2 * batch + 2]).pow(2).mean())
@@ -78,42 +96,16 @@ def interval_case() -> dict[str, Any]:
     """Manual optimization, `ModelCheckpoint(train_time_interval=50 ms, save_top_k=-1)`: how many files it writes."""
     import datetime
     import tempfile
-    import warnings
 
     import torch
 
     import lightning
-    from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    class Model(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-            opt = self.optimizers()
-            opt.zero_grad()
-            self.manual_backward(self.layer(batch).pow(2).mean())
-            opt.step()
-            time.sleep(0.02)  # 10 steps of 20 ms or more: the 50 ms interval passes several times
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
         every = ModelCheckpoint(dirpath=tmp, train_time_interval=datetime.timedelta(milliseconds=50), save_top_k=-1)
-        trainer = Trainer(
-            max_steps=10,
-            callbacks=[every],
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            accelerator="cpu",
-        )
-        trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(40, 4), batch_size=4))
+        # 10 steps of 20 ms or more: the 50 ms interval passes several times
+        _fit(_manual_model(pause=0.02), every, torch.randn(40, 4), batch_size=4, max_steps=10)
         return {"version": lightning.__version__, "files": len(os.listdir(tmp))}
 
 
