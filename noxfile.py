@@ -169,3 +169,42 @@ def oldest(session: nox.Session) -> None:
 def matrix_table(session: nox.Session) -> None:
     """Rewrite docs/torch-matrix.md from the results it holds (no test run)."""
     session.run("python", ".ci/torch_matrix.py", "render")
+
+
+# What the lint session installs: the linters (newest, as ci-checks.yml always took them) and, for type-checking our
+# src/lightning modules against the fork's own code, the default session's torch.
+LINTERS = ["ruff", "mypy"]
+LINT_TORCH = "2.13.0"
+
+MYPY_OUR_MODULES = """
+import os, pathlib, subprocess, sys
+from patchset.materialize import build_tree
+tree = build_tree(pathlib.Path("."), pathlib.Path(sys.argv[1]))
+files = subprocess.run(["git", "ls-files", "src/lightning/*.py"], capture_output=True, text=True, check=True).stdout
+modules = [f.removeprefix("src/").removesuffix(".py").replace("/", ".") for f in files.split()]
+if not modules:
+    print("no src/lightning files")
+    sys.exit(0)
+args = ["mypy", "--install-types", "--non-interactive", "--follow-imports=silent"]
+args += [arg for module in modules for arg in ("-m", module)]
+# upstream's mypy settings (its pyproject.toml) apply: mypy runs in the patched tree, where lightning.* is the fork's
+sys.exit(subprocess.run(args, cwd=tree, env={**os.environ, "MYPYPATH": "src"}).returncode)
+"""
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Everything ci-checks.yml runs (it runs this session): the series, ruff, mypy on the tool and on our modules."""
+    tools = {"PYTHONPATH": str(ROOT / "tools")}
+    session.install(*LINTERS)
+    # on failure the output is the diff: `git apply` it (CI uploads it as an artifact)
+    session.run("python", "-m", "patchset", "export", "--check", env=tools)
+    session.run("python", "-m", "patchset", "check", env=tools)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", "--diff", ".")
+    session.run("mypy", "--strict", "-p", "patchset", env={"MYPYPATH": str(ROOT / "tools")})
+    index = os.environ.get("TORCH_INDEX_URL")
+    session.install(f"torch=={LINT_TORCH}", *(["--extra-index-url", index] if index else []))
+    session.install(".")
+    session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
+    session.run("python", "-c", MYPY_OUR_MODULES, str(Path(session.create_tmp()) / "tree"), env=tools)
