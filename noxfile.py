@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ nox.options.error_on_missing_interpreters = True
 
 ROOT = Path(__file__).resolve().parent
 # The latest patch of every minor release from the oldest Lightning 2.6 supports (torch>=2.1) to the newest on the
-# index; 2.13.0 is also the local CPU wheel. ci-tests-fork.yml runs the same releases (a tool test checks it).
+# index; 2.13.0 is the default session's. ci-tests-fork.yml runs the same releases (a tool test checks it).
 TORCH = [
     "2.1.2", "2.2.2", "2.3.1", "2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1",
     "2.13.0", "2.14.1", "2.15.0",
@@ -45,11 +46,11 @@ UNPATCHED = ["pytorch-lightning", "lightning-fabric"]
 CHECK_INSTALL = """
 import importlib.metadata as md, importlib.util, pathlib, sys
 import torch, lightning
-want = sys.argv[1]
+want, fork = sys.argv[1:3]
 assert torch.__version__.split("+")[0] == want, f"torch {torch.__version__} installed, the session wants {want}"
 root = pathlib.Path(lightning.__file__).resolve().parent
 assert "site-packages" in root.parts, f"lightning imported from {root}, not from the installed fork"
-assert lightning.__version__.endswith("+patchset.1"), f"lightning {lightning.__version__} is not the fork"
+assert lightning.__version__ == fork, f"lightning {lightning.__version__} is not the fork's {fork}"
 for dist in ("pytorch-lightning", "lightning-fabric"):
     try:
         md.distribution(dist)
@@ -60,6 +61,16 @@ for name in ("pytorch_lightning", "lightning_fabric"):
     assert importlib.util.find_spec(name) is None, f"{name} is importable: an unpatched copy is installed"
 print(f"torch {torch.__version__}, lightning {lightning.__version__} from {root}")
 """
+
+
+def _fork_version() -> str:
+    """What this checkout builds (``2.6.6+patchset.N``), from its pin (read by the tool's own parser)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from patchset.pin import read_pin
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return read_pin(ROOT).fork_version
 
 
 def _version(v: str) -> tuple[int, ...]:
@@ -114,7 +125,7 @@ def _install_fork(session: nox.Session, torch: str) -> Path:
 
 
 def _check_and_test(session: nox.Session, torch: str, kind: str) -> None:
-    session.run("python", "-c", CHECK_INSTALL, torch)
+    session.run("python", "-c", CHECK_INSTALL, torch, _fork_version())
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     logs = ROOT / ".nox" / "torch-matrix-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -158,3 +169,42 @@ def oldest(session: nox.Session) -> None:
 def matrix_table(session: nox.Session) -> None:
     """Rewrite docs/torch-matrix.md from the results it holds (no test run)."""
     session.run("python", ".ci/torch_matrix.py", "render")
+
+
+# What the lint session installs: the linters (newest, as ci-checks.yml always took them) and, for type-checking our
+# src/lightning modules against the fork's own code, the default session's torch.
+LINTERS = ["ruff", "mypy"]
+LINT_TORCH = "2.13.0"
+
+MYPY_OUR_MODULES = """
+import os, pathlib, subprocess, sys
+from patchset.materialize import build_tree
+tree = build_tree(pathlib.Path("."), pathlib.Path(sys.argv[1]))
+files = subprocess.run(["git", "ls-files", "src/lightning/*.py"], capture_output=True, text=True, check=True).stdout
+modules = [f.removeprefix("src/").removesuffix(".py").replace("/", ".") for f in files.split()]
+if not modules:
+    print("no src/lightning files")
+    sys.exit(0)
+args = ["mypy", "--install-types", "--non-interactive", "--follow-imports=silent"]
+args += [arg for module in modules for arg in ("-m", module)]
+# upstream's mypy settings (its pyproject.toml) apply: mypy runs in the patched tree, where lightning.* is the fork's
+sys.exit(subprocess.run(args, cwd=tree, env={**os.environ, "MYPYPATH": "src"}).returncode)
+"""
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Everything ci-checks.yml runs (it runs this session): the series, ruff, mypy on the tool and on our modules."""
+    tools = {"PYTHONPATH": str(ROOT / "tools")}
+    session.install(*LINTERS)
+    # on failure the output is the diff: `git apply` it (CI uploads it as an artifact)
+    session.run("python", "-m", "patchset", "export", "--check", env=tools)
+    session.run("python", "-m", "patchset", "check", env=tools)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", "--diff", ".")
+    session.run("mypy", "--strict", "-p", "patchset", env={"MYPYPATH": str(ROOT / "tools")})
+    index = os.environ.get("TORCH_INDEX_URL")
+    session.install(f"torch=={LINT_TORCH}", *(["--extra-index-url", index] if index else []))
+    session.install(".")
+    session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
+    session.run("python", "-c", MYPY_OUR_MODULES, str(Path(session.create_tmp()) / "tree"), env=tools)

@@ -63,12 +63,15 @@ runs the full suite rewrites its row (same kind, torch, Python and OS); rows of 
 Run one cell from the repository root, with nox installed (`pip install nox`) in a Python 3.11 environment:
 
 ```bash
-nox -s "tests(torch='2.13.0')"      # the default session (also plain `nox`): the local CPU wheel
+nox -s "tests(torch='2.13.0')"      # the default session (also plain `nox`)
 nox -s "tests(torch='2.1.2')"       # oldest supported torch; `nox -l` lists every session
 nox -s oldest                       # oldest torch with the lowest versions of lightning's requirements
-PIP_CONFIG_FILE=/dev/null nox -s "tests(torch='2.15.0')"   # where /etc/xdg/pip caps torch at 2.14.1
 python .ci/torch_matrix.py check    # every row passed, from one commit with this checkout's sources
 ```
+
+torch comes from your pip configuration; `TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` takes PyTorch's CPU
+builds instead, as CI does. If your pip configuration caps torch, the sessions above the cap cannot install their
+torch: run them with `TORCH_INDEX_URL` pointing at an index that has it, or with a configuration file without the cap.
 
 *tests* is the test command's own time; *session wall time* adds the venv, the downloads and the installs.
 *downloaded* is what the session added to the wheelhouse (`torch-matrix-wheels` in pip's cache directory, or

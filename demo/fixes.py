@@ -20,16 +20,11 @@ from typing import Any
 PICKERS, PICKS = 6, 60  # processes picking ports at once, ports each (each picker holds all of its picks)
 
 
-def checkpoint_case() -> dict[str, Any]:
-    """Manual optimization, `every_n_train_steps=1`, `save_top_k=1`: what is in the best file, and its loss."""
-    import tempfile
-    import warnings
-
+def _manual_model(pause: float = 0.0) -> Any:
+    """A one-layer module under manual optimization; it logs `loss`, the loss of its weights before each step."""
     import torch
 
-    import lightning
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch import LightningModule
 
     class Model(LightningModule):
         def __init__(self) -> None:
@@ -44,34 +39,74 @@ def checkpoint_case() -> dict[str, Any]:
             opt.zero_grad()
             self.manual_backward(loss)
             opt.step()
+            time.sleep(pause)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    torch.manual_seed(0)
-    data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    return Model()
+
+
+def _fit(model: Any, callback: Any, data: Any, batch_size: int, max_steps: int) -> None:
+    import warnings
+
+    import torch
+
+    from lightning.pytorch import Trainer
+
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # the fork's one option (off by default: the copy costs memory); stock has no such argument
-        option = {"save_pre_optimizer_step_weights": True} if "+patchset" in lightning.__version__ else {}
-        best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1, **option)
         trainer = Trainer(
-            max_steps=4,
-            callbacks=[best],
+            max_steps=max_steps,
+            callbacks=[callback],
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            enable_checkpointing=True,
             accelerator="cpu",
         )
-        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=2))
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=batch_size))
+
+
+def checkpoint_case() -> dict[str, Any]:
+    """Manual optimization, `every_n_train_steps=1`, `save_top_k=1`: what is in the best file, and its loss."""
+    import tempfile
+
+    import torch
+
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
+    with tempfile.TemporaryDirectory() as tmp:
+        # the fork's one option (off by default: the copy costs memory); stock has no such argument
+        option = {"save_pre_optimizer_step_weights": True} if "+patchset" in lightning.__version__ else {}
+        best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1, **option)
+        _fit(_manual_model(), best, data, batch_size=2, max_steps=4)
         saved = torch.load(best.best_model_path, weights_only=False)
     batch = saved["global_step"] - 1  # one optimizer step per batch: the step the file was written after
-    probe = Model()
+    probe = _manual_model()
     probe.load_state_dict(saved["state_dict"])
     with torch.no_grad():
         file_loss = float(probe.layer(data[2 * batch : 2 * batch + 2]).pow(2).mean())
     return {"version": lightning.__version__, "batch": batch, "score": float(best.best_model_score), "file": file_loss}
+
+
+def interval_case() -> dict[str, Any]:
+    """Manual optimization, `ModelCheckpoint(train_time_interval=50 ms, save_top_k=-1)`: how many files it writes."""
+    import datetime
+    import tempfile
+
+    import torch
+
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        every = ModelCheckpoint(dirpath=tmp, train_time_interval=datetime.timedelta(milliseconds=50), save_top_k=-1)
+        # 10 steps of 20 ms or more: the 50 ms interval passes several times
+        _fit(_manual_model(pause=0.02), every, torch.randn(40, 4), batch_size=4, max_steps=10)
+        return {"version": lightning.__version__, "files": len(os.listdir(tmp))}
 
 
 def _picker(barrier: Any, results: Any) -> None:
@@ -173,6 +208,12 @@ def main() -> None:
         )
     assert abs(fork["file"] - fork["score"]) < 1e-6, "the fork's best file holds weights other than the scored ones"
 
+    print("\n0003 pytorch: manual optimization, ModelCheckpoint(train_time_interval=50 ms), 10 steps of 20 ms or more")
+    interval = run("--interval-case")
+    for side, row in [*([("stock", run("--interval-case", stock))] if stock else []), ("fork", interval)]:
+        print(f"     {side:5} {row['version']:17} {row['files']} checkpoint files written")
+    assert interval["files"] > 0, "the fork wrote no checkpoint with train_time_interval under manual optimization"
+
     print(f"\n0002 fabric: {PICKERS} processes pick a rendezvous port (LightningEnvironment().main_port) {PICKS} times")
     for side, env in [*([("stock", stock)] if stock else []), ("fork", None)]:
         race = run("--port-race", env)
@@ -185,7 +226,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cases = {"--checkpoint-case": checkpoint_case, "--port-race": port_race}
+    cases = {"--checkpoint-case": checkpoint_case, "--interval-case": interval_case, "--port-race": port_race}
     if sys.argv[1:2] and sys.argv[1] in cases:
         print(json.dumps(cases[sys.argv[1]]()))
     else:

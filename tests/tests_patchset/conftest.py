@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import ensurepip
 import io
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import PROJECT_EMAIL, REPO, copy_project
+from patchset_helpers import DEMO, PROJECT_EMAIL, REPO, copy_project, make_venv, own_new_files, pip, run_python, write
 
 from patchset.pin import CACHE_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
 
@@ -89,3 +91,47 @@ def run_cli(monkeypatch):
         return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
     return run
+
+
+@pytest.fixture
+def demo_project(project: Path) -> Path:
+    """The throwaway project with one new file under src/, owned by its patch 0001."""
+    write(project / DEMO, 'GREETING = "hello"\n')
+    own_new_files(project, DEMO)
+    return project
+
+
+@pytest.fixture(scope="session")
+def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The newest pip wheel the index has (downloaded once per session)."""
+    dest = tmp_path_factory.mktemp("newest-pip")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest), "pip"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(dest.glob("pip-*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        pytest.skip(f"no pip wheel from the index: {proc.stderr.strip()[-300:]}")
+    return wheels[0]
+
+
+@pytest.fixture
+def bundled_pip_venv(tmp_path: Path) -> Path:
+    """A fresh venv with the pip that `python -m venv` bundles (23.2 with Python 3.11), as a user's; its python."""
+    python = make_venv(tmp_path / "venv", with_pip=True)
+    assert run_python(python, "import pip; print(pip.__version__)") == ensurepip.version()
+    return python
+
+
+@pytest.fixture(params=["bundled", "newest"])
+def pip_in_venv(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A fresh venv with a pip of its own: the one `python -m venv` bundles, or the newest.
+
+    Returns the venv's interpreter; :func:`patchset_helpers.pip` runs that venv's own pip.
+    """
+    if request.param == "bundled":
+        return request.getfixturevalue("bundled_pip_venv")
+    wheel = request.getfixturevalue("newest_pip")
+    python = make_venv(tmp_path / "venv")
+    proc = pip(python, "install", "--no-deps", str(wheel))
+    assert proc.returncode == 0, proc.stderr
+    assert run_python(python, "import pip; print(pip.__version__)") == wheel.name.split("-")[1]
+    return python

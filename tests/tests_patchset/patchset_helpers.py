@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
+
+from patchset.pin import read_pin
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools"
 PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"  # the project's identity in its patches
+FORK = read_pin(REPO).fork_version  # what this checkout builds, e.g. 2.6.6+patchset.1
+DEMO = "src/lightning/fabric/utilities/_patchset_demo.py"  # a new file the tool tests add to a copy of the project
 
 
 def project_files(root: Path) -> list[str]:
@@ -39,3 +47,50 @@ def write(path: Path, text: str) -> Path:
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def own_new_files(project: Path, *globs: str) -> None:
+    """Make the copy's first patch (0001, fork packaging) own ``globs`` as `New-Files:` (the build refuses strays)."""
+    patch = next((project / "patches").glob("0001-*.patch"))
+    text = patch.read_text(encoding="utf-8")
+    fields = re.search(r"\nForwarded: [^\n]*\n", text)
+    assert fields, patch
+    patch.write_text(text[: fields.end()] + f"New-Files: {' '.join(globs)}\n" + text[fields.end() :], encoding="utf-8")
+
+
+def make_venv(path: Path, with_pip: bool = False) -> Path:
+    """A fresh venv with its own site-packages that also sees, after its own, this environment's (torch, setuptools).
+
+    ``with_pip``: the venv gets the pip that ``python -m venv`` bundles, as a user's fresh venv does.
+    """
+    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(path)], check=True)
+    python = path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    (site_packages(python) / "_parent_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def site_packages(python: Path) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+def pip(
+    python: Path, *args: str, env: dict[str, str] | None = None, unset: tuple[str, ...] = (), cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The venv's own pip if it has one, else this environment's pip acting on the venv of ``python``.
+
+    ``env`` adds to this process's environment, ``unset`` removes from it.
+    """
+    if (site_packages(python) / "pip").is_dir():
+        cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    else:
+        cmd = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args]
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(cmd, capture_output=True, text=True, env={**environ, **(env or {})}, cwd=cwd)
+
+
+def run_python(python: Path, code: str) -> str:
+    """Run ``code`` with ``python`` outside any checkout (so imports come from its environment); its output."""
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()

@@ -2,96 +2,15 @@
 
 from __future__ import annotations
 
-import ensurepip
-import os
-import subprocess
 import sys
-import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import copy_project, git, write
+from patchset_helpers import DEMO, FORK, copy_project, git, make_venv, pip, run_python, site_packages, write
 
 pytestmark = pytest.mark.slow
-
-DEMO = "src/lightning/fabric/utilities/_patchset_demo.py"
-FORK = "2.6.6+patchset.1"
-
-
-@pytest.fixture
-def demo_project(project: Path) -> Path:
-    write(project / DEMO, 'GREETING = "hello"\n')
-    return project
-
-
-@pytest.fixture(scope="session")
-def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The newest pip wheel the index has (downloaded once per session)."""
-    dest = tmp_path_factory.mktemp("newest-pip")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest), "pip"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = list(dest.glob("pip-*.whl"))
-    if proc.returncode != 0 or len(wheels) != 1:
-        pytest.skip(f"no pip wheel from the index: {proc.stderr.strip()[-300:]}")
-    return wheels[0]
-
-
-@pytest.fixture(params=["bundled", "newest"])
-def pip_in_venv(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    """A fresh venv with a pip of its own: the one `python -m venv` bundles (23.2 with Python 3.11), or the newest.
-
-    Returns the venv's interpreter; :func:`_pip` runs that venv's own pip.
-    """
-    if request.param == "bundled":
-        python = _venv(tmp_path / "venv", with_pip=True)
-        expected = ensurepip.version()
-    else:
-        wheel = request.getfixturevalue("newest_pip")
-        python = _venv(tmp_path / "venv")
-        proc = _pip(python, "install", "--no-deps", str(wheel))
-        assert proc.returncode == 0, proc.stderr
-        expected = wheel.name.split("-")[1]
-    assert _import(python, "import pip; print(pip.__version__)") == expected
-    return python
-
-
-def _venv(path: Path, with_pip: bool = False) -> Path:
-    """A fresh venv with its own site-packages that also sees, after its own, this environment's (torch, setuptools).
-
-    ``with_pip``: the venv gets the pip that ``python -m venv`` bundles, as a user's fresh venv does.
-    """
-    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(path)], check=True)
-    python = path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    (_site_packages(python) / "_parent_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
-
-
-def _site_packages(python: Path) -> Path:
-    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
-
-
-def _pip(
-    python: Path, *args: str, env: dict[str, str] | None = None, unset: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    """The venv's own pip if it has one, else this environment's pip acting on the venv of ``python``.
-
-    ``env`` adds to this process's environment, ``unset`` removes from it.
-    """
-    if (_site_packages(python) / "pip").is_dir():
-        cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
-    else:
-        cmd = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args]
-    environ = {k: v for k, v in os.environ.items() if k not in unset}
-    return subprocess.run(cmd, capture_output=True, text=True, env={**environ, **(env or {})})
-
-
-def _import(python: Path, code: str) -> str:
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/")
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
 
 
 def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch, upstream_sdist: Path):
@@ -127,11 +46,11 @@ def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, 
 
 
 def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
-    python = _venv(tmp_path / "venv")
-    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))
+    python = make_venv(tmp_path / "venv")
+    proc = pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))
     assert proc.returncode == 0, proc.stderr
-    site = _site_packages(python)
-    out = _import(
+    site = site_packages(python)
+    out = run_python(
         python,
         "import lightning, lightning.fabric.utilities._patchset_demo as d; "
         "print(lightning.__version__, lightning.__file__, d.GREETING)",
@@ -163,7 +82,7 @@ def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tm
         assert required in members
     assert not any(m.startswith((".work", ".git/")) or m.endswith(".pyc") for m in members)
     assert not any(m.endswith("__init__.py") and m.startswith("src/lightning/") for m in members)  # no upstream code
-    proc = _pip(
+    proc = pip(
         Path(sys.executable),
         "wheel",
         "--no-deps",
@@ -183,20 +102,20 @@ def test_pip_install_from_git(demo_project: Path, pip_in_venv: Path):
     git(demo_project, "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-qm", "fork")
     # `file://localhost/<path>`: pip before 24.1 refuses `git+file:///<path>` (no host) as an invalid requirement
     url = f"git+file://localhost{demo_project.as_posix()}"
-    proc = _pip(pip_in_venv, "install", "--no-deps", "--no-build-isolation", f"lightning @ {url}")
+    proc = pip(pip_in_venv, "install", "--no-deps", "--no-build-isolation", f"lightning @ {url}")
     assert proc.returncode == 0, proc.stderr
-    assert _import(pip_in_venv, "import lightning; print(lightning.__version__)") == FORK
+    assert run_python(pip_in_venv, "import lightning; print(lightning.__version__)") == FORK
 
 
 def test_editable_install_picks_up_an_edit(demo_project: Path, tmp_path: Path):
-    python = _venv(tmp_path / "venv")
-    proc = _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(demo_project))
+    python = make_venv(tmp_path / "venv")
+    proc = pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(demo_project))
     assert proc.returncode == 0, proc.stderr
     code = "import lightning.fabric.utilities._patchset_demo as d; print(d.GREETING)"
-    assert _import(python, code) == "hello"
+    assert run_python(python, code) == "hello"
     (demo_project / DEMO).write_text('GREETING = "edited"\n')
-    assert _import(python, code) == "edited"
-    assert _import(python, "import lightning; print(lightning.__version__)") == FORK
+    assert run_python(python, code) == "edited"
+    assert run_python(python, "import lightning; print(lightning.__version__)") == FORK
 
 
 def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Path, tmp_path: Path):
@@ -205,8 +124,8 @@ def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Pa
     fake = tmp_path / "lightning-2.6.6.tar.gz"
     with tarfile.open(fake, "w:gz") as tar:
         tar.add(fake_dir, arcname="lightning-2.6.6")
-    python = _venv(tmp_path / "venv")
-    proc = _pip(
+    python = make_venv(tmp_path / "venv")
+    proc = pip(
         python,
         "install",
         "--no-deps",
@@ -218,7 +137,7 @@ def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Pa
     errors = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "does not match the pinned" in line]
     assert len(errors) == 1
     assert errors[0].startswith(f"patchset: error: LIGHTNING_PATCHSET_SDIST={fake}: sha256 ")
-    assert not (_site_packages(python) / "lightning").exists()
+    assert not (site_packages(python) / "lightning").exists()
 
 
 def test_cli_install_refuses_a_bad_pin_before_building(tmp_path: Path, run_cli):
@@ -251,7 +170,7 @@ def test_cold_cache_inside_pips_build_hook(
     if not isolation:  # an isolated build installs its requirements from the index
         env["PIP_NO_INDEX"] = "1"
     args = ["wheel", "--no-deps", *([] if isolation else ["--no-build-isolation"]), "-w", str(tmp_path / "w")]
-    proc = _pip(pip_in_venv, *args, str(demo_project), env=env, unset=("LIGHTNING_PATCHSET_SDIST",))
+    proc = pip(pip_in_venv, *args, str(demo_project), env=env, unset=("LIGHTNING_PATCHSET_SDIST",))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in (tmp_path / "w").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
     assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))
@@ -285,14 +204,14 @@ def test_editable_flavour_is_refused_in_one_line(demo_project: Path, tmp_path: P
 
 
 def test_cli_build_then_install_into_another_environment(demo_project: Path, tmp_path: Path, run_cli):
-    python = _venv(tmp_path / "venv")
+    python = make_venv(tmp_path / "venv")
     proc = run_cli(demo_project, "install", "--dist", str(tmp_path / "dist"), "--python", str(python))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith(f"installed lightning-{FORK}-py3-none-any.whl")
     assert [p.name for p in (tmp_path / "dist").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
-    site = _site_packages(python)
+    site = site_packages(python)
     assert (site / "lightning" / "fabric" / "utilities" / "_patchset_demo.py").is_file()
-    assert _import(python, "import lightning; print(lightning.__version__)") == FORK
+    assert run_python(python, "import lightning; print(lightning.__version__)") == FORK
 
 
 def test_cli_build_reports_a_broken_patch_in_one_line(demo_project: Path, tmp_path: Path, run_cli):
@@ -333,18 +252,18 @@ def test_flavours_carry_the_fixes_under_the_old_import_names(
     assert "Requires-Dist: lightning\n" not in metadata
     assert "Requires-Dist: pytorch-lightning" not in metadata
 
-    python = _venv(tmp_path / "venv")
-    proc = _pip(python, "install", "--no-deps", str(tmp_path / "wheel" / name))
+    python = make_venv(tmp_path / "venv")
+    proc = pip(python, "install", "--no-deps", str(tmp_path / "wheel" / name))
     assert proc.returncode == 0, proc.stderr
     package = sorted(top_levels)[-1]
-    out = _import(
+    out = run_python(
         python,
         f"import {package}, lightning_fabric.utilities._patchset_demo as d; "
         f"print({package}.__version__, {package}.__file__, d.GREETING)",
     )
     version, location, greeting = out.split()
     assert (version, greeting) == (FORK, "hello")
-    assert Path(location).is_relative_to(_site_packages(python))
+    assert Path(location).is_relative_to(site_packages(python))
 
 
 def test_unknown_flavour_is_one_clear_error(demo_project: Path, tmp_path: Path, monkeypatch, capsys):

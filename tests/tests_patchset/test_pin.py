@@ -1,9 +1,13 @@
+import os
+import re
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REPO, write
+from patchset_helpers import REPO, TOOLS, write
 
 from patchset import PatchsetError
 from patchset.pin import SDIST_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
@@ -12,7 +16,8 @@ from patchset.pin import SDIST_ENV, cache_dir, fetch_sdist, file_sha256, read_pi
 def test_pin_names_the_fork_version(project: Path):
     pin = read_pin(project)
     assert (pin.name, pin.version, pin.sdist) == ("lightning", "2.6.6", "lightning-2.6.6.tar.gz")
-    assert pin.fork_version == "2.6.6+patchset.1"
+    assert pin.fork_version == f"2.6.6+{pin.local_version}"
+    assert re.fullmatch(r"patchset\.[1-9][0-9]*", pin.local_version)
 
 
 @pytest.mark.parametrize(
@@ -101,3 +106,39 @@ def test_the_tests_never_use_the_users_cache(patchset_cache: Path, tmp_path_fact
     assert patchset_cache.resolve().is_relative_to(tmp_path_factory.getbasetemp().resolve())
     pin = read_pin(REPO)
     assert file_sha256(patchset_cache / "sdist" / pin.sha256 / pin.sdist) == pin.sha256
+
+
+def test_relative_paths_are_the_shells_not_the_build_hooks(
+    project: Path, monkeypatch, tmp_path: Path, upstream_sdist: Path
+):
+    """pip runs the hook in the project directory; a relative path the user typed is relative to the shell's."""
+    shell = tmp_path / "shell"
+    copy = shell / "mirror" / upstream_sdist.name
+    copy.parent.mkdir(parents=True)
+    shutil.copy(upstream_sdist, copy)
+    monkeypatch.chdir(project)  # where pip runs the hook
+    monkeypatch.setenv("PWD", str(shell))  # where the user typed the command
+    monkeypatch.setenv(SDIST_ENV, f"mirror/{upstream_sdist.name}")
+    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", "cache")
+    assert fetch_sdist(read_pin(project)) == copy
+    assert cache_dir() == shell / "cache"
+    monkeypatch.setenv(SDIST_ENV, "elsewhere/lightning-2.6.6.tar.gz")
+    with pytest.raises(PatchsetError) as err:
+        fetch_sdist(read_pin(project))
+    assert str(err.value) == (
+        f"{SDIST_ENV}=elsewhere/lightning-2.6.6.tar.gz ({shell}/elsewhere/lightning-2.6.6.tar.gz): no such file"
+        " (expected lightning-2.6.6.tar.gz)"
+    )
+
+
+def test_python_before_3_10_gets_one_line_instead_of_a_traceback():
+    """What pip shows a Python 3.9 user whose build imports the backend (simulated: this machine has 3.11 only)."""
+    code = "import sys; sys.version_info = (3, 9, 18, 'final', 0); import patchset.backend"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(TOOLS)}
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"lightning (the Lightning patch set's fork of Lightning 2.6) requires Python >= 3.10; this is Python"
+        f" {sys.version.split()[0]}"
+    ]

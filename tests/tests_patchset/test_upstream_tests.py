@@ -1,5 +1,6 @@
 """upstream-tests: the PR branch and its base tested with real pytest runs, and the record CI checks."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -10,7 +11,16 @@ from patchset.export import export
 from patchset.materialize import base_repo, materialize_workspace
 from patchset.pin import read_pin
 from patchset.series import read_series
-from patchset.upstream_tests import PAGE, blob_hash, recorded_blobs, run_upstream_tests
+from patchset.upstream_tests import (
+    PAGE,
+    Outcome,
+    Record,
+    blob_hash,
+    portable,
+    recorded_blobs,
+    run_upstream_tests,
+    upstream_ancestor,
+)
 
 INIT = "src/lightning/fabric/utilities/__init__.py"
 TINY_TESTS = f'''from pathlib import Path
@@ -83,6 +93,7 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
     }
     assert record.on_base["tests/tests_fabric/test_tiny.py::test_broken_by_the_patch"].outcome == "passed"
     assert [o.nodeid.split("::")[1] for o in record.caused] == ["test_broken_by_the_patch"]
+    assert record.local_commits == ["not checked: the checkout has no remote to compare with"]
     assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == "work"
     assert git(onto, "status", "--porcelain") == ""
 
@@ -139,3 +150,58 @@ def test_node_ids_keep_classes_and_a_crash_is_a_failure(tmp_path: Path):
         "tests/pkg/test_x.py::test_crash": "failed",
     }
     assert results["tests/pkg/test_x.py::test_crash"].reason == "crashed: pytest exited with 3 and no report"
+
+
+def test_the_record_names_a_commit_upstream_has_and_what_each_local_commit_changes(project: Path, tmp_path: Path):
+    """A maintainer elsewhere can run it again: the remote's commit, then the local ones (a dropped blob, a PR)."""
+    remote = tmp_path / "remote"
+    write(remote / "docs/big.gif", "GIF89a")
+    write(remote / "src/code.py", "X = 1\n")
+    git(tmp_path, "init", "-q", "-b", "master", str(remote))
+    git(remote, "add", "-A")
+    git(remote, "commit", "-qm", "upstream's master")
+    onto = tmp_path / "checkout"
+    git(tmp_path, "clone", "-q", str(remote), str(onto))
+    git(onto, "rm", "-q", "docs/big.gif")
+    git(onto, "commit", "-qm", "local: drop a blob")
+    git(onto, "checkout", "-q", "-b", "patchset/first")
+    write(onto / "src/code.py", "X = 2\n")
+    git(onto, "commit", "-qam", "the first PR")
+    upstream, local = upstream_ancestor(onto, git(onto, "rev-parse", "HEAD"), "patchset/first")
+    assert upstream == git(remote, "rev-parse", "HEAD")
+    dropped, pr = git(onto, "rev-parse", "HEAD~1"), git(onto, "rev-parse", "HEAD")
+    assert local == [
+        f"`{dropped[:12]}` deletes `docs/big.gif`, nothing else",
+        f"`{pr[:12]}` the PR branch `patchset/first`",
+    ]
+    assert upstream_ancestor(onto, upstream, "master") == (upstream, [])
+
+
+def test_environment_failures_take_one_row_with_their_cause_and_no_machine_path(tmp_path: Path):
+    checkout = tmp_path / "upstream"
+    legacy = [f"tests/tests_pytorch/checkpointing/test_legacy_checkpoints.py::test_load[1.{i}.0]" for i in range(3)]
+    reason = f'AssertionError: No checkpoints found in folder "{checkout}/tests/legacy/checkpoints/1.0.0"'
+    failures = {nodeid: Outcome(nodeid, "failed", portable(reason, {checkout: "<checkout>"})) for nodeid in legacy}
+    failures["tests/x.py::test_mine"] = Outcome("tests/x.py::test_mine", "failed", "AssertionError: mine")
+    failures["tests/y.py::test_old"] = Outcome("tests/y.py::test_old", "failed", "ValueError: old")
+    record = Record("0003-x.patch", "0" * 40, "pytorch", "1" * 40, "master", "2.9.1", ["tests"], branch=failures)
+    record.on_base = {n: o for n, o in failures.items() if n != "tests/x.py::test_mine"}
+    rows = [line for line in record.markdown().splitlines() if line.startswith("| `")]
+    assert rows == [
+        "| `tests/x.py::test_mine` | **the patch** | AssertionError: mine |",
+        f"| `{legacy[0]}` and 2 more | environment: upstream's CI downloads the legacy checkpoints first"
+        " (`.actions/pull_legacy_checkpoints.sh`) (fails on the base too) | AssertionError: No checkpoints found in"
+        ' folder "<checkout>/tests/legacy/checkpoints/1.0.0" |',
+        "| `tests/y.py::test_old` | pre-existing (fails on the base too) | ValueError: old |",
+    ]
+    assert "| local commits on it | none |" in record.markdown()
+
+
+def test_the_page_holds_no_machine_path_and_only_full_upstream_commit_ids():
+    page = (REPO / PAGE).read_text(encoding="utf-8")
+    for machine in ("/work/", "/home/", "/root/", "/tmp/", "site-packages"):
+        assert machine not in page
+    commits = re.findall(r"\| upstream commit \| `([^`]*)`", page)
+    assert commits
+    assert all(re.fullmatch(r"[0-9a-f]{40}", commit) for commit in commits)
+    assert "local: drop a gif" not in page  # a local commit is listed as such, never as the upstream commit

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import git, write
+from patchset_helpers import FORK, git, write
 
 from patchset import PatchsetError
 from patchset.check import check
@@ -29,8 +29,8 @@ def test_workspace_has_base_one_commit_per_patch_and_our_files(project: Path):
     demo = workspace / "src/lightning/fabric/utilities/_demo.py"
     assert demo.is_symlink()
     assert demo.resolve() == (project / "src/lightning/fabric/utilities/_demo.py").resolve()
-    assert (workspace / "src/version.info").read_text() == "2.6.6+patchset.1\n"
-    assert (workspace / "src/lightning/version.info").read_text() == "2.6.6+patchset.1\n"
+    assert (workspace / "src/version.info").read_text() == f"{FORK}\n"
+    assert (workspace / "src/lightning/version.info").read_text() == f"{FORK}\n"
     assert git(workspace, "status", "--porcelain") == ""  # our files are excluded, the version label skipped
 
 

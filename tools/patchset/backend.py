@@ -2,6 +2,8 @@
 
 It never imports torch or lightning. The patched tree is made once per (sdist hash, series) and cached; each hook
 works on a fresh copy with our new files and the version label, so upstream's ``setup.py`` can write into it freely.
+What setuptools builds is then finished here: the fork's address in the metadata (:mod:`patchset.fork_metadata`) and
+a reproducible zip (:mod:`patchset.reproducible`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from patchset import PatchsetError, flavours
+from patchset.fork_metadata import fork_metadata, fork_url
 from patchset.materialize import build_tree
 from patchset.pin import read_pin
+from patchset.reproducible import finish_wheel
 
 _T = TypeVar("_T")
 ConfigSettings = dict[str, Any] | None
@@ -76,6 +80,7 @@ def _fork_tree() -> Iterator[Path]:
     flavour = flavours.requested()
     with tempfile.TemporaryDirectory(prefix="lightning-patchset-") as tmp:
         tree = build_tree(_project(), Path(tmp) / "tree")
+        flavours.add_data_extra(tree)
         if flavour is not None:
             flavours.prepare(tree, flavour)
         with _inside(tree):
@@ -96,11 +101,20 @@ get_requires_for_build_editable = get_requires_for_build_wheel
 get_requires_for_build_sdist = get_requires_for_build_wheel
 
 
+def _finish(wheel: Path, url: str) -> str:
+    finish_wheel(wheel, lambda text: fork_metadata(text, url))
+    return wheel.name
+
+
 @_reports_errors
 def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
     target = os.path.abspath(metadata_directory)
+    url = fork_url(_project())
     with _fork_tree():
-        return str(_setuptools().prepare_metadata_for_build_wheel(target, config_settings))
+        name = str(_setuptools().prepare_metadata_for_build_wheel(target, config_settings))
+    metadata = Path(target) / name / "METADATA"
+    metadata.write_bytes(fork_metadata(metadata.read_bytes().decode("utf-8"), url).encode("utf-8"))
+    return name
 
 
 @_reports_errors
@@ -108,8 +122,10 @@ def build_wheel(
     wheel_directory: str, config_settings: ConfigSettings = None, metadata_directory: str | None = None
 ) -> str:
     target = os.path.abspath(wheel_directory)
+    url = fork_url(_project())
     with _fork_tree():
-        return str(_setuptools().build_wheel(target, config_settings))
+        name = str(_setuptools().build_wheel(target, config_settings))
+    return _finish(Path(target) / name, url)
 
 
 @_reports_errors
@@ -134,9 +150,12 @@ def build_editable(
             f" lightning distribution only; install {flavour.distribution} without -e"
         )
     target = os.path.abspath(wheel_directory)
+    url = fork_url(_project())
     tree = build_tree(_project(), _project() / EDITABLE_TREE, link=True)
+    flavours.add_data_extra(tree)
     with _inside(tree):
-        return str(_setuptools().build_editable(target, config_settings))
+        name = str(_setuptools().build_editable(target, config_settings))
+    return _finish(Path(target) / name, url)
 
 
 @_reports_errors

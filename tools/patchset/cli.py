@@ -107,6 +107,15 @@ def _rebase(args: argparse.Namespace) -> int:
     return 0
 
 
+def _release(args: argparse.Namespace) -> int:
+    from patchset.release import release
+
+    done = release(args.project, args.date)
+    print(f"released {done.version}: tag {done.tag} at {done.commit[:12]}; this checkout now builds", done.next_version)
+    print(f"nothing was pushed; to publish: git push origin HEAD {done.tag} (the release workflow attaches the wheels)")
+    return 0
+
+
 def _fetch(args: argparse.Namespace) -> int:
     from patchset.pin import fetch_sdist, read_pin
 
@@ -196,6 +205,10 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--sdist", type=Path, help="a local copy of the new sdist (default: pip download)")
     cmd.add_argument("--sha256", help="the new sdist's expected sha256")
     cmd.set_defaults(run=_rebase)
+
+    cmd = sub.add_parser("release", help="tag this commit as the release the pin names, then move to the next label")
+    cmd.add_argument("--date", help="the release date for the CHANGELOG (default: today, UTC), as YYYY-MM-DD")
+    cmd.set_defaults(run=_release)
 
     cmd = sub.add_parser("fetch", help="download (or find in the cache) the pinned sdist and print its path")
     cmd.set_defaults(run=_fetch)

@@ -183,9 +183,26 @@ def patched_tree(project: Path) -> Path:
     return final
 
 
+def refuse_stray_sources(project: Path, files: list[str]) -> None:
+    """Refuse to build a file under ``src/`` that no patch's ``New-Files:`` owns: it would ship in no pull request.
+
+    ``check`` reports every unowned new file; the build stops only for those it would put into the wheel.
+    """
+    patches = read_series(project)
+    stray = [rel for rel in files if rel.startswith("src/") and not any(patch.owns(rel) for patch in patches)]
+    if stray:
+        raise PatchsetError(
+            f"{stray[0]} belongs to no patch"
+            + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
+            + ": add it to the `New-Files:` of the patch whose pull request it is part of (a fork-only file to a"
+            " `Forwarded: not-needed` patch), or remove it; nothing was built"
+        )
+
+
 def build_tree(project: Path, dest: Path, link: bool = False) -> Path:
     """A complete fork source tree at ``dest``: patched upstream, our new files and the version label."""
     pin = read_pin(project)
+    refuse_stray_sources(project, overlay_files(project))
     source = patched_tree(project)
     if dest.exists():
         shutil.rmtree(dest)

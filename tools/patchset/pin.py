@@ -61,10 +61,24 @@ def read_pin(project: Path) -> Pin:
     return Pin(values["name"], values["version"], values["sdist"], sha, values["local-version"])
 
 
+def user_path(value: str) -> Path:
+    """A path the user set in an environment variable, absolute.
+
+    A relative one is taken from the directory the user ran the command in: the shell's ``$PWD``. pip runs the
+    build hooks in the project directory (or in a temporary clone, for ``git+`` URLs), so the process's own working
+    directory is not the user's.
+    """
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        shell = os.environ.get("PWD", "")
+        path = (Path(shell) if os.path.isabs(shell) and os.path.isdir(shell) else Path.cwd()) / path
+    return path.resolve()
+
+
 def cache_dir() -> Path:
     """Where downloaded sdists and materialized trees are kept (``$LIGHTNING_PATCHSET_CACHE`` overrides)."""
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+        return user_path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lightning-patchset"
 
@@ -96,9 +110,10 @@ def fetch_sdist(pin: Pin) -> Path:
     """
     override = os.environ.get(SDIST_ENV)
     if override:
-        path = Path(override).expanduser()
+        path = user_path(override)
         if not path.is_file():
-            raise PatchsetError(f"{SDIST_ENV}={override}: no such file (expected {pin.sdist})")
+            shown = override if str(path) == override else f"{override} ({path})"
+            raise PatchsetError(f"{SDIST_ENV}={shown}: no such file (expected {pin.sdist})")
         return _verified(path, pin, f"{SDIST_ENV}={override}")
 
     cached = cache_dir() / "sdist" / pin.sha256 / pin.sdist

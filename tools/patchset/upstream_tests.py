@@ -8,8 +8,11 @@ tests run on the branch, then on the base without the patch; a failure on the br
 caused by the patch. Tests that upstream marks standalone run one per process, as upstream's CI runs them, with gloo
 on the CPU.
 
-The record goes into :data:`PAGE`, one section per patch, naming the upstream commit and the patch's blob hash, so
-that CI (which cannot reach upstream) can tell whether the page describes the patches as they are.
+The record goes into :data:`PAGE`, one section per patch, naming the patch's blob hash, so that CI (which cannot reach
+upstream) can tell whether the page describes the patches as they are, and what a maintainer elsewhere needs to run
+it again: the newest commit of the branch that exists upstream (on a remote of the checkout), the local commits on
+top of it with what each changes, and no path of this machine. Failures that come from the environment rather than
+the code (:data:`ENVIRONMENT`, when the base fails them too) take one row each, with their cause.
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ SELECTIONS = {
 # The extras upstream's CI installs, less `strategies` (DeepSpeed and bitsandbytes: CUDA only, their tests skip here).
 EXTRAS = {"fabric": ["fabric-test"], "pytorch": ["pytorch-extra", "pytorch-test"]}
 _TIMEOUT = 300  # per test, as pytest-timeout (upstream's CI uses 60 s on faster machines)
+# Failures that come from where the tests ran, not from the code: (what the failure says, its cause).
+ENVIRONMENT = (
+    (
+        re.compile(r"No checkpoints found in folder .*tests/legacy/checkpoints"),
+        "upstream's CI downloads the legacy checkpoints first (`.actions/pull_legacy_checkpoints.sh`)",
+    ),
+    (re.compile(r"only supported on CUDA GPUs"), "needs a CUDA GPU"),
+    (re.compile(r"fabric: not found"), "the venv's `fabric` command was not on `PATH`"),
+)
 _BEGIN = "<!-- upstream-tests: {} -->"
 _END = "<!-- /upstream-tests -->"
 
@@ -77,6 +89,7 @@ class Record:
     base_runs: str = "all"
     seconds: float = 0.0
     upstream_subject: str = ""
+    local_commits: list[str] = field(default_factory=list)
 
     def counts(self, results: dict[str, Outcome]) -> dict[str, int]:
         """Passed, failed and skipped."""
@@ -113,7 +126,8 @@ class Record:
             "| | |",
             "|---|---|",
             f"| patch blob | `{self.blob}` |",
-            f"| upstream commit | `{self.upstream}` ({self.base}: {self.upstream_subject}) |",
+            f"| upstream commit | `{self.upstream}` ({self.upstream_subject}) |",
+            f"| local commits on it | {'; '.join(self.local_commits) or 'none'} |",
             f"| installed as | `lightning[{','.join(EXTRAS[self.package])}]` with torch {self.torch}, Python"
             f" {sys.version_info.major}.{sys.version_info.minor} |",
             f"| selection | {', '.join(f'`{s}`' for s in self.selection)}, their standalone tests one per process |",
@@ -128,15 +142,18 @@ class Record:
             for outcome, caused in sorted(self.failures, key=lambda f: f[0].nodeid):
                 if caused:
                     lines.append(f"| `{outcome.nodeid}` | **the patch** | {_cell(outcome.reason)} |")
-            # pre-existing failures that share a reason (a missing download, say) take one row
-            groups: dict[str, list[Outcome]] = {}
+            # pre-existing failures that share a cause (the environment) or a reason take one row
+            groups: dict[tuple[str, str], list[Outcome]] = {}
             for outcome, caused in self.failures:
                 if not caused:
-                    groups.setdefault(_cell(outcome.reason)[:60], []).append(outcome)
-            for _, outcomes in sorted(groups.items()):
+                    cause = environment_cause(outcome.reason)
+                    key = (f"environment: {cause} (fails on the base too)", "") if cause else ("", outcome.reason)
+                    groups.setdefault((key[0], _cell(key[1])[:60]), []).append(outcome)
+            for (cause, _), outcomes in sorted(groups.items(), key=lambda item: (not item[0][0], item[0])):
                 first = min(o.nodeid for o in outcomes)
                 what = f"`{first}`" + (f" and {len(outcomes) - 1} more" if len(outcomes) > 1 else "")
-                lines.append(f"| {what} | pre-existing (fails on the base too) | {_cell(outcomes[0].reason)} |")
+                cause = cause or "pre-existing (fails on the base too)"
+                lines.append(f"| {what} | {cause} | {_cell(outcomes[0].reason)} |")
             lines.append("")
         lines.append(_END)
         return "\n".join(lines)
@@ -144,6 +161,43 @@ class Record:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:160]
+
+
+def environment_cause(reason: str) -> str | None:
+    """The cause of a failure that comes from the environment (:data:`ENVIRONMENT`), or ``None``."""
+    return next((cause for pattern, cause in ENVIRONMENT if pattern.search(reason)), None)
+
+
+def portable(text: str, places: dict[Path, str]) -> str:
+    """``text`` without this machine's paths: each of ``places`` (longest first) becomes its name (``<checkout>``)."""
+    for path, name in sorted(places.items(), key=lambda item: -len(str(item[0]))):
+        text = text.replace(str(path), name)
+    return text
+
+
+def upstream_ancestor(onto: Path, commit: str, base: str) -> tuple[str, list[str]]:
+    """The newest ancestor of ``commit`` that a remote of ``onto`` has, and each local commit on top, described.
+
+    A checkout without remote-tracking branches cannot tell: ``commit`` itself is returned, said to be unchecked.
+    """
+    if not out(onto, "for-each-ref", "--count=1", "refs/remotes", isolated=False):
+        return commit, ["not checked: the checkout has no remote to compare with"]
+    local = out(onto, "rev-list", "--reverse", commit, "--not", "--remotes", isolated=False).split()
+    if not local:
+        return commit, []
+    described = []
+    for sha in local:
+        if base.startswith("patchset/") and sha == commit:
+            described.append(f"`{sha[:12]}` the PR branch `{base}`")
+            continue
+        changes = out(onto, "diff-tree", "--no-commit-id", "--name-status", "-r", sha, isolated=False).splitlines()
+        deleted = [line.split("\t", 1)[1] for line in changes if line.startswith("D\t")]
+        if changes and len(deleted) == len(changes):
+            described.append(f"`{sha[:12]}` deletes {', '.join(f'`{path}`' for path in deleted)}, nothing else")
+        else:
+            subject = out(onto, "log", "-1", "--format=%s", sha, isolated=False)
+            described.append(f"`{sha[:12]}` {subject} ({len(changes)} files changed)")
+    return out(onto, "rev-parse", f"{local[0]}^", isolated=False), described
 
 
 def blob_hash(path: Path) -> str:
@@ -250,6 +304,8 @@ def run_selection(python: Path, onto: Path, selection: list[str], report: Path) 
     """Run the selection, then its standalone tests one per process; outcomes by node id."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "PYTEST_", "COV_"))}
     env.update({"PL_RUN_CUDA_TESTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"})
+    # the venv's own commands first, as in upstream's CI, where the environment is activated (tests run `fabric`)
+    env["PATH"] = os.pathsep.join([str(python.parent), *filter(None, [env.get("PATH")])])
     common = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--timeout={_TIMEOUT}"]
     common += ["-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
     proc = subprocess.run(
@@ -308,16 +364,19 @@ def run_upstream_tests(
     original = _head(onto)
     branch = upstream_pr(project, ref, onto, base=base, force=True, author=author)
     start_commit = out(onto, "rev-parse", f"{branch}~1", isolated=False)
+    base = base or default_base(project, patch, onto)
+    upstream_commit, local_commits = upstream_ancestor(onto, start_commit, base)
     record = Record(
         patch=patch.name,
         blob=blob_hash(patch.path),
         package=package,
-        upstream=start_commit,
-        base=base or default_base(project, patch, onto),
+        upstream=upstream_commit,
+        base=base,
         torch=torch or "",
         selection=selection,
         base_runs=base_runs,
-        upstream_subject=out(onto, "log", "-1", "--format=%s", start_commit, isolated=False),
+        upstream_subject=out(onto, "log", "-1", "--format=%s", upstream_commit, isolated=False),
+        local_commits=local_commits,
     )
     started = time.monotonic()
     try:
@@ -333,6 +392,12 @@ def run_upstream_tests(
                 record.on_base = run_selection(interpreter, onto, again, Path(tmp) / "base.xml")
     finally:
         git(onto, "checkout", "-q", "--force", original, isolated=False)
+    places = {onto: "<checkout>", cache_dir(): "<cache>", Path.home(): "~"}
+    if (interpreter.parent.parent / "pyvenv.cfg").is_file():
+        places[interpreter.parent.parent] = "<venv>"
+    for results in (record.branch, record.on_base):
+        for outcome in results.values():
+            outcome.reason = portable(outcome.reason, places)
     record.seconds = time.monotonic() - started
     write_record(project, record)
     return record
@@ -374,9 +439,12 @@ _HEADER = """# Upstream's own tests on each pull request
 Written by `python -m patchset upstream-tests PATCH --onto <upstream checkout>`, not by hand. For each patch bound
 upstream, it makes the pull request's branch with `upstream-pr`, installs that checkout as upstream's CI does (the
 package with its test extra, torch included, as pinned in upstream's `requirements/`; the record names the torch that
-ran), runs the upstream tests for what the
-patch touches on the branch and on the base without the patch, and records the result here. A failure on the branch
-is **caused by the patch** unless the base fails the same test. CI checks that every section names the patch's
-current blob hash (`git hash-object patches/<file>`), so a patch changed after its run shows up as stale.
+ran), runs the upstream tests for what the patch touches on the branch and on the base without the patch, and
+records the result here. A failure on the branch is **caused by the patch** unless the base fails the same test;
+failures that come from the environment (a download upstream's CI makes first, a GPU) take one row with their cause.
+Each record names the newest commit of the branch that exists upstream and every local commit on top of it, and no
+path of the machine it ran on (`<checkout>`, `<venv>`, `<cache>`), so it can be run again anywhere. CI checks that
+every section names the patch's current blob hash (`git hash-object patches/<file>`), so a patch changed after its
+run shows up as stale.
 
 """

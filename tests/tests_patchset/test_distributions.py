@@ -1,0 +1,193 @@
+"""Each distribution the fork builds is the index's wheel of the pinned release plus our files, and reproducible."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from patchset_helpers import DEMO, FORK, REPO, write
+
+from patchset import PatchsetError
+from patchset.fork_metadata import fork_metadata, fork_url
+from patchset.materialize import overlay_files
+from patchset.pin import read_pin
+from patchset.reproducible import finish_wheel
+from patchset.wheels import build
+
+URL = "https://github.com/lightning-patchset/lightning-patchset"
+# distribution (as in wheel names) -> the flavour that builds it, and where each of our src/lightning files lands
+DISTRIBUTIONS = {
+    "lightning": (None, {"src/lightning/": "lightning/"}),
+    "pytorch_lightning": (
+        "pytorch",
+        {"src/lightning/pytorch/": "pytorch_lightning/", "src/lightning/fabric/": "lightning_fabric/"},
+    ),
+    "lightning_fabric": ("fabric", {"src/lightning/fabric/": "lightning_fabric/"}),
+}
+
+
+@pytest.fixture(scope="session")
+def index_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The index's wheels of the pinned release (from your pip configuration), downloaded once per session."""
+    version = read_pin(REPO).version
+    dest = tmp_path_factory.mktemp("index-wheels")
+    names = ["lightning", "pytorch-lightning", "lightning-fabric"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest)]
+    # `===`: the release itself, never a build of the fork (which `==` matches) on a find-links path
+    proc = subprocess.run([*cmd, *(f"{name}==={version}" for name in names)], capture_output=True, text=True)
+    wheels = {path.name.split("-")[0]: path for path in dest.glob("*.whl")}
+    if proc.returncode != 0 or len(wheels) != 3:
+        pytest.skip(f"the index's {version} wheels are not available: {proc.stderr.strip()[-300:]}")
+    return wheels
+
+
+@pytest.fixture(scope="session")
+def fork_wheels(tmp_path_factory: pytest.TempPathFactory, patchset_cache: Path) -> dict[str, Path]:
+    """This checkout's three distributions, built as users build them (pip through the backend)."""
+    dest = tmp_path_factory.mktemp("fork-wheels")
+    return {name: build(REPO, dest, flavour) for name, (flavour, _) in DISTRIBUTIONS.items()}
+
+
+def _headers(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        return archive.read(metadata).decode().partition("\n\n")[0].split("\n")
+
+
+def _files(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return {name.replace(wheel.name.split("-py3")[0], "<dist>", 1) for name in archive.namelist()}
+
+
+def _ours(distribution: str) -> set[str]:
+    """Our new files under src/lightning, where they land in ``distribution``'s wheel."""
+    _, places = DISTRIBUTIONS[distribution]
+    return {
+        place + rel.removeprefix(src)
+        for rel in overlay_files(REPO)
+        for src, place in places.items()
+        if rel.startswith(src)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distribution", list(DISTRIBUTIONS))
+def test_each_distribution_is_the_indexs_wheel_apart_from_our_files(
+    distribution: str, index_wheels: dict[str, Path], fork_wheels: dict[str, Path]
+):
+    ours, theirs = _headers(fork_wheels[distribution]), _headers(index_wheels[distribution])
+    assert f"Version: {FORK}" in ours
+    assert f"Version: {read_pin(REPO).version}" in theirs
+    fork_lines = [
+        f"Home-page: {URL}",
+        f"Download-URL: {URL}/releases",
+        f"Project-URL: Bug Tracker, {URL}/issues",
+        f"Project-URL: Source Code, {URL}",
+    ]
+    assert [line for line in ours if line in fork_lines] == fork_lines  # where to get it, where to report its bugs
+    keys = ("Version:", "Home-page:", "Download-URL:", "Project-URL: Bug Tracker,", "Project-URL: Source Code,")
+    if distribution == "lightning":  # patch 0001: no unpatched second copy of the code
+        assert "Requires-Dist: pytorch-lightning" in theirs
+        assert not [line for line in ours if line.startswith("Requires-Dist: pytorch-lightning")]
+        theirs.remove("Requires-Dist: pytorch-lightning")
+    # everything else, requirement bounds and extras included, is the index's (extras in glob order there)
+    ours_rest = collections.Counter(line for line in ours if not line.startswith(keys))
+    theirs_rest = collections.Counter(line for line in theirs if not line.startswith(keys))
+    assert ours_rest == theirs_rest, (ours_rest - theirs_rest, theirs_rest - ours_rest)
+
+    built, index = _files(fork_wheels[distribution]), _files(index_wheels[distribution])
+    assert index - built == set()
+    assert built - index == _ours(distribution)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("distribution", "package"),
+    [("pytorch_lightning", "pytorch_lightning"), ("pytorch_lightning", "lightning_fabric"), ("lightning_fabric",) * 2],
+)
+def test_about_modules_hold_the_indexs_values(
+    distribution: str, package: str, index_wheels: dict[str, Path], fork_wheels: dict[str, Path]
+):
+    """`pytorch_lightning.__author__`, `__docs__`, ... (what `from .__about__ import *` exports) as from the index."""
+    values = []
+    for wheel in (fork_wheels[distribution], index_wheels[distribution]):
+        namespace: dict[str, object] = {}
+        with zipfile.ZipFile(wheel) as archive:
+            exec(archive.read(f"{package}/__about__.py"), namespace)
+        values.append({name: namespace[name] for name in namespace["__all__"]})  # type: ignore[union-attr]
+    assert values[0] == values[1]
+    assert "__homepage__" in values[0]
+
+
+@pytest.mark.slow
+def test_two_builds_of_one_commit_are_byte_identical(demo_project: Path, tmp_path: Path, monkeypatch):
+    """A cold cache, then a warm one with our file's time and mode changed: the same bytes, one timestamp."""
+    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cold-cache"))
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    first = build(demo_project, tmp_path / "first")
+    later = time.time() + 3600
+    os.utime(demo_project / DEMO, (later, later))
+    (demo_project / DEMO).chmod(0o664)
+    second = build(demo_project, tmp_path / "second")
+    assert first.read_bytes() == second.read_bytes()
+    with zipfile.ZipFile(first) as archive:
+        assert {info.date_time for info in archive.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+        assert archive.namelist()[-1] == f"lightning-{FORK}.dist-info/RECORD"
+        assert archive.testzip() is None
+
+
+def test_finish_wheel_uses_source_date_epoch_and_records_every_file(tmp_path: Path, monkeypatch):
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("demo/__init__.py", "X = 1\n")
+        archive.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nHome-page: https://up\n\nDescription\n")
+        archive.writestr("demo-1.0.dist-info/RECORD", "stale\n")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    finish_wheel(wheel, lambda text: text.replace("https://up", "https://fork"))
+    with zipfile.ZipFile(wheel) as archive:
+        assert {info.date_time for info in archive.infolist()} == {(2023, 11, 14, 22, 13, 20)}
+        assert archive.read("demo-1.0.dist-info/METADATA") == b"Name: demo\nHome-page: https://fork\n\nDescription\n"
+        record = archive.read("demo-1.0.dist-info/RECORD").decode().splitlines()
+    assert record[0] == "demo/__init__.py,sha256=Crrh4K5yghbuRJk8Wjp1X4scOH2Uf8TE9yyrDkqEIUs,6"
+    assert record[-1] == "demo-1.0.dist-info/RECORD,,"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(PatchsetError, match=r"SOURCE_DATE_EPOCH='yesterday': expected seconds since 1970"):
+        finish_wheel(wheel)
+
+
+def test_fork_metadata_points_users_at_the_fork_and_keeps_the_rest():
+    upstream = (
+        "Metadata-Version: 2.4\nName: lightning\nHome-page: https://github.com/Lightning-AI/lightning\n"
+        "Project-URL: Bug Tracker, https://github.com/Lightning-AI/pytorch-lightning/issues\n"
+        "Project-URL: Documentation, https://lightning.ai/lightning-docs\n\n# Lightning\n\nHome-page: kept\n"
+    )
+    assert fork_metadata(upstream, URL) == (
+        f"Metadata-Version: 2.4\nName: lightning\nHome-page: {URL}\nProject-URL: Bug Tracker, {URL}/issues\n"
+        f"Project-URL: Documentation, https://lightning.ai/lightning-docs\nDownload-URL: {URL}/releases\n"
+        f"Project-URL: Source Code, {URL}\n\n# Lightning\n\nHome-page: kept\n"
+    )
+
+
+def test_the_forks_address_is_declared_once_in_pyproject(tmp_path: Path):
+    assert fork_url(REPO) == URL
+    write(tmp_path / "pyproject.toml", '[tool.patchset]\nurl = "https://github.com/o/r/"\n')
+    with pytest.raises(PatchsetError, match=r"\[tool.patchset\] url must be the fork's https address"):
+        fork_url(tmp_path)
+
+
+def test_a_file_under_src_that_no_patch_owns_fails_the_build_in_one_line(project: Path, tmp_path: Path, run_cli):
+    write(project / "src/lightning/fabric/utilities/_stray.py", "X = 1\n")
+    proc = run_cli(project, "build", "--dist", str(tmp_path / "dist"))
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "patchset: error: src/lightning/fabric/utilities/_stray.py belongs to no patch: add it to the `New-Files:`"
+        " of the patch whose pull request it is part of (a fork-only file to a `Forwarded: not-needed` patch), or"
+        " remove it; nothing was built\n"
+    )
+    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())

@@ -1,0 +1,83 @@
+"""The user-facing pages say what the patch files and the build say, and nothing that holds on one machine only."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from patchset_helpers import PROJECT_EMAIL, REPO
+
+from patchset.fork_metadata import fork_url
+from patchset.release import unreleased_notes
+from patchset.series import CHANGELOG_SECTIONS, read_series
+
+README = REPO / "README.md"
+# the fork's own pages for users and maintainers (benchmark pages record the machine they ran on, as they should)
+PAGES = [README, *(REPO / name for name in ("CHANGELOG.md", "docs/maintaining.md", "docs/upstream-tests.md"))]
+PAGES.append(REPO / "docs" / "torch-matrix.md")
+
+
+def _table_rows(text: str, heading: str) -> dict[str, list[str]]:
+    """The rows of the first table after ``heading``, by their first cell."""
+    section = text.split(heading, 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| 0")]
+    return {cells[0]: cells for cells in ([c.strip() for c in row.strip("|").split(" | ")] for row in rows)}
+
+
+def _link_or_none(cell: str, url: str) -> bool:
+    """Whether ``cell`` starts with a link to ``url`` (shown as ``#N``), or with a dash when there is no ``url``."""
+    if not url:
+        return cell.startswith("—")
+    return cell.startswith(f"[#{url.rstrip('/').rsplit('/', 1)[1]}]({url})")
+
+
+def test_the_patch_table_is_the_patch_files_fields():
+    rows = _table_rows(README.read_text(encoding="utf-8"), "## The patches")
+    patches = read_series(REPO)
+    assert sorted(rows) == [patch.name[:4] for patch in patches]
+    for patch in patches:
+        _, _, issue, mirrors, forwarded, applied = rows[patch.name[:4]]
+        assert _link_or_none(issue, patch.field("Bug")), (patch.name, "Bug:", issue)
+        assert _link_or_none(mirrors, patch.field("Mirrors")), (patch.name, "Mirrors:", mirrors)
+        assert forwarded.split()[0] == patch.forwarded, (patch.name, "Forwarded:", forwarded)
+        assert applied == (patch.field("Applied-Upstream") or "—"), (patch.name, "Applied-Upstream:", applied)
+
+
+def test_every_patch_is_authored_by_the_project():
+    assert {patch.author for patch in read_series(REPO)} == {f"Lightning patch set <{PROJECT_EMAIL}>"}
+
+
+def test_install_lines_use_the_address_pyproject_declares():
+    url = fork_url(REPO)
+    text = README.read_text(encoding="utf-8")
+    assert f'pip install "lightning @ git+{url}@v' in text
+    assert f"{url}/issues" in text
+    owner = url.split("/")[3]
+    for page in PAGES:
+        for found in re.findall(rf"https://github\.com/{owner}/[\w.-]+", page.read_text(encoding="utf-8")):
+            assert found.removesuffix(".git") == url, (page.name, found)
+    assert "<url of this repository>" not in text
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_no_page_describes_one_machine_only(page: Path):
+    text = page.read_text(encoding="utf-8")
+    for machine in ("/work/", "/root/", "/home/", "/etc/xdg", "/opt/", "local CPU wheel", "this machine"):
+        assert machine not in text, (page.name, machine)
+    assert "pypi.org" not in text  # the index is the user's configured one
+
+
+def test_the_changelog_keeps_a_changelog_and_has_a_section_to_release():
+    text = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    _, notes = unreleased_notes(text)
+    assert notes
+    assert set(re.findall(r"^### (.+)$", text, flags=re.MULTILINE)) <= set(CHANGELOG_SECTIONS)
+
+
+def test_ci_checks_run_the_nox_lint_session():
+    """`nox -s lint` is what ci-checks.yml runs, so the two cannot drift apart."""
+    workflow = (REPO / ".github" / "workflows" / "ci-checks.yml").read_text(encoding="utf-8")
+    runs = [line.strip() for line in workflow.splitlines() if line.strip().startswith(("run:", "- run:"))]
+    assert any("nox" in run and "-s lint" in run for run in runs), runs
+    assert not any(tool in run for run in runs for tool in ("ruff ", "mypy ", "patchset check", "export --check"))
