@@ -44,8 +44,8 @@ class _PreStepCapture:
         """The capture of this fit, made by the first checkpoint with the option; ``None`` if it cannot work here."""
         sharers = [c for c in trainer.checkpoint_callbacks if getattr(c, "_save_pre_optimizer_step_weights", False)]
         if checkpoint is not sharers[0]:
-            return sharers[0]._pre_step  # type: ignore[attr-defined]
-        with_states = any(not c.save_weights_only for c in sharers)  # type: ignore[attr-defined]
+            return sharers[0]._pre_step
+        with_states = any(not c.save_weights_only for c in sharers)
         reason = _unsupported_reason(trainer, with_states)
         if reason is not None:
             rank_zero_warn(f"`save_pre_optimizer_step_weights=True` saves the live weights as if it were off: {reason}")
@@ -70,14 +70,14 @@ class _PreStepCapture:
         if self._armed:
             self._versions = self._read_versions()
             metrics = trainer.callback_metrics
-            self._start_values = {c.monitor: metrics.get(c.monitor) for c in self._checkpoints}  # type: ignore[misc]
+            self._start_values = {c.monitor: _value(metrics, c) for c in self._checkpoints}
 
     def before_optimizer_step(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         if checkpoint is not self._checkpoints[0] or self._stepped or not self._armed:
             return  # only before the first step of a batch that may save
         self._stepped = True
         metrics = trainer.callback_metrics
-        if not any(self._needs_copy(c, metrics.get(c.monitor)) for c in self._checkpoints):
+        if not any(self._needs_copy(c, _value(metrics, c)) for c in self._checkpoints):
             return  # no save can use it
         if self._read_versions() != self._versions:
             return  # the state the batch started with is gone
@@ -99,7 +99,7 @@ class _PreStepCapture:
         return [p._version for _, p in self._named_params]
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
-        if not self._logged_in_batch(checkpoint.monitor, value):
+        if value is None or not self._logged_in_batch(checkpoint.monitor, value):
             return True  # it may be logged after the step
         if checkpoint.save_top_k == -1 or len(checkpoint.best_k_models) < checkpoint.save_top_k:
             return True
@@ -112,15 +112,14 @@ class _PreStepCapture:
         return value is not None and (start is None or value.data_ptr() != start.data_ptr())
 
     def logged_in_batch_on_any_rank(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> bool:
-        value = trainer.callback_metrics.get(checkpoint.monitor)  # type: ignore[arg-type]
-        logged = self._armed and self._logged_in_batch(checkpoint.monitor, value)
+        logged = self._armed and self._logged_in_batch(checkpoint.monitor, _value(trainer.callback_metrics, checkpoint))
         return trainer.strategy.reduce_boolean_decision(logged, all=False)
 
     def save_checkpoint(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint", filepath: str) -> None:
         """Writes a top-k checkpoint at the end of a batch: with the copy, or with the live weights and a warning."""
         monitor = checkpoint.monitor
         reason = None  # without a step in the batch, the live weights are the ones it started with
-        if not self._logged_in_batch(monitor, trainer.callback_metrics.get(monitor)):  # type: ignore[arg-type]
+        if not self._logged_in_batch(monitor, _value(trainer.callback_metrics, checkpoint)):
             reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, or logged in an earlier batch)"
         elif self.copy is None and (self._stepped or self._read_versions() != self._versions):
             reason = (
@@ -162,6 +161,10 @@ def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.Light
     checkpoint.update(states)
     checkpoint[PRE_OPTIMIZER_STEP_KEY] = {"global_step": copied["global_step"]}
     return True
+
+
+def _value(metrics: dict[str, Tensor], checkpoint: "ModelCheckpoint") -> Optional[Tensor]:
+    return metrics.get(checkpoint.monitor) if checkpoint.monitor is not None else None
 
 
 def _clone(obj: Any) -> Any:
