@@ -15,8 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, model_checkpoint
 from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepCapture
+from lightning.pytorch.utilities.rank_zero import WarningCache
 
 PROBE_X = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
 PROBE_Y = PROBE_X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
@@ -88,6 +89,12 @@ class LogScoreFromOutputs(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.log("score", outputs["score"])
+
+
+@pytest.fixture(autouse=True)
+def own_warning_cache(monkeypatch):
+    """`ModelCheckpoint` warns once per process: these tests must not silence its warnings for the tests after them."""
+    monkeypatch.setattr(model_checkpoint, "warning_cache", WarningCache())
 
 
 @contextmanager

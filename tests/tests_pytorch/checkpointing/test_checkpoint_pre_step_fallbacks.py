@@ -16,6 +16,7 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     fit,
     load,
     messages,
+    own_warning_cache,  # noqa: F401  (autouse here too)
     recorded_warnings,
     score_of,
 )
