@@ -1,8 +1,8 @@
 """`ModelCheckpoint` under manual optimization without the `saved_models` workaround of #21239 (issue #20947).
 
 Manual optimization takes the same path as automatic optimization: `train_time_interval`, the deferral of a save whose
-monitored metric is stale before validation (#21106) and `last.ckpt` behave alike, and a deferred save that no
-validation performs is not dropped without a word.
+monitored metric is stale before validation (#21106) and `last.ckpt` behave alike; a deferred save that no
+validation performs is dropped, silently, as under automatic optimization in stock.
 """
 
 import warnings

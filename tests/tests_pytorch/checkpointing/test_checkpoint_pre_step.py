@@ -137,7 +137,7 @@ def load(path):
 
 def assert_pairs(ckpt, marked=True):
     """Every top-k file holds the weights that produced the score that ranks it, and says whether they are pre-step."""
-    assert len(ckpt.best_k_models) == ckpt.save_top_k
+    assert len(ckpt.best_k_models) == ckpt.save_top_k or ckpt.save_top_k == -1
     for path, score in ckpt.best_k_models.items():
         saved = load(path)
         torch.testing.assert_close(score_of(saved["state_dict"]), score.float(), rtol=0, atol=0)
@@ -209,15 +209,39 @@ def test_an_epoch_aggregate_cannot_be_paired_and_warns_once(tmp_path):
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
-def test_a_save_deferred_to_validation_is_not_deferred_for_a_score_logged_in_the_batch(tmp_path):
-    """`val_check_interval=0.5`: the epoch's last batch would defer its save to `on_validation_end` (#21106), where
-    the live weights would be ranked by the training score."""
+def test_a_save_deferred_to_validation_holds_its_batchs_pre_step_state(tmp_path):
+    """`val_check_interval=0.5`: the epoch's last batch defers its save to `on_validation_end` (#21106), as without the
+    option; the value that ranks it is still the batch's, so the file holds the batch's pre-step state."""
     ckpt = checkpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)
     fit(tmp_path, Net(manual=False), checkpoints=[ckpt], val_check_interval=0.5, limit_val_batches=1, max_steps=24)
     assert sorted(load(path)["global_step"] for path in ckpt.best_k_models) == [4, 8, 12, 16, 20, 24]
-    for path, score in ckpt.best_k_models.items():
-        torch.testing.assert_close(score_of(load(path)["state_dict"]), score.float(), rtol=0, atol=0)
-        assert "pre_optimizer_step" in load(path)
+    assert_pairs(ckpt)
+
+
+def test_a_value_logged_anew_by_validation_ranks_as_without_the_option(tmp_path):
+    """The monitored key is logged in `training_step` and in `validation_step`: a save deferred to the end of validation
+    is ranked by the validation value, with the live weights that computed it, as without the option."""
+
+    class AlsoInValidation(Net):
+        def validation_step(self, batch, batch_idx):
+            self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y) + 1.0)
+
+    scores = {}
+    for option in (False, True):
+        ckpt = ModelCheckpoint(
+            tmp_path / str(option),
+            monitor="score",
+            every_n_train_steps=4,
+            save_top_k=-1,
+            filename="{step}",
+            save_pre_optimizer_step_weights=option,
+        )
+        seed_everything(3)  # the same initial weights in both runs
+        fit(tmp_path, AlsoInValidation(manual=False), checkpoints=[ckpt], val_check_interval=0.5, limit_val_batches=1)
+        scores[option] = {load(path)["global_step"]: score.item() for path, score in ckpt.best_k_models.items()}
+        marked = {load(path)["global_step"] for path in ckpt.best_k_models if "pre_optimizer_step" in load(path)}
+    assert scores[True] == scores[False]
+    assert marked == {4, 12}  # not the epochs' last batches (8, 16), whose saves validation ranked
 
 
 def test_a_validation_score_keeps_the_deferral_and_the_live_weights(tmp_path):

@@ -76,3 +76,46 @@ def test_ranks_that_log_in_different_batches_neither_hang_nor_pair_wrongly(tmp_p
         (state,) = (v for v in saved["callbacks"].values() if v.get("dirpath") == str(tmp_path))
         if rank_0_logged:
             torch.testing.assert_close(score_of(saved["state_dict"]), state["current_score"].float(), rtol=0, atol=0)
+
+
+class LateOnRankOne(Net):
+    """Rank 1 logs `score` in training only from epoch 1 on; validation logs it on every rank."""
+
+    def __init__(self):
+        super().__init__(manual=False, log_in=None)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 0 or self.current_epoch > 0:
+            self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y))
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=4)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
+def test_a_rank_without_the_monitored_value_defers_as_the_others_do(tmp_path):
+    """The first save is the last batch of epoch 0, where rank 1 has no `score` yet: every rank defers it to the end of
+    validation, as without the option, and the ranks track the same file names."""
+    seed_everything(5)
+    kwargs = {"every_n_train_steps": BATCHES_PER_EPOCH, "save_top_k": -1, "save_on_train_epoch_end": False}
+    ckpt = checkpoint(tmp_path, enable_version_counter=False, **kwargs)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=2,
+        limit_val_batches=1,
+        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(LateOnRankOne())
+    assert sorted(path.name for path in tmp_path.glob("*.ckpt")) == ["step=16.ckpt", "step=8.ckpt"]

@@ -134,10 +134,24 @@ class OwnStateDictStrategy(SingleDeviceStrategy):
         return super().lightning_module_state_dict()
 
 
+class CountingSaves(SingleDeviceStrategy):
+    saves = 0
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        CountingSaves.saves += 1
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+
+def test_an_override_of_the_strategys_save_checkpoint_writes_the_pre_step_state(tmp_path):
+    _, (ckpt,) = fit(tmp_path, Net(manual=False), strategy=CountingSaves(device="cpu"))
+    assert CountingSaves.saves >= 3
+    assert_pairs(ckpt)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"strategy": OwnStateDictStrategy(device="cpu")}, "`OwnStateDictStrategy` builds or writes the checkpoint"),
+        ({"strategy": OwnStateDictStrategy(device="cpu")}, "`OwnStateDictStrategy` builds the checkpoint's weights"),
         ({"callbacks": [EMAWeightAveraging()]}, "a weight averaging callback writes averaged weights"),
         ({"model": "lbfgs"}, "`LBFGS` runs the closure several times in one step"),
     ],
@@ -183,7 +197,7 @@ def test_a_state_dict_that_does_not_name_the_parameters_falls_back(tmp_path):
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
-class Boom(Exception):  # noqa: N818
+class BoomError(Exception):
     pass
 
 
@@ -194,11 +208,11 @@ class RaiseAt(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            raise Boom
+            raise BoomError
 
     def on_exception(self, trainer, pl_module, exception):
         if self.in_on_exception:
-            raise Boom("from on_exception")
+            raise BoomError("from on_exception")
 
 
 def reaches(start, target, limit=20_000):
@@ -235,7 +249,7 @@ def test_a_fit_that_raises_leaves_no_reference_to_the_trainer(tmp_path, in_on_ex
         limit_val_batches=0,
     )
     model = Net(manual=False)
-    with pytest.raises(Boom):
+    with pytest.raises(BoomError):
         trainer.fit(model)
     assert not reaches(ckpt, trainer)
     assert not reaches(ckpt, model)
@@ -244,6 +258,24 @@ def test_a_fit_that_raises_leaves_no_reference_to_the_trainer(tmp_path, in_on_ex
     fit(tmp_path, Net(manual=False), checkpoints=[ckpt])
     assert ckpt._pre_step is None
     assert_pairs(ckpt)
+
+
+def test_a_save_that_raised_leaves_the_next_fit_as_without_the_error(tmp_path, monkeypatch):
+    """A save that raises inside the pre-step path must not leave it on for the next fit's other saves."""
+    ckpt = checkpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)
+    original = Trainer.save_checkpoint
+
+    def fail_once(self, *args, **kwargs):
+        monkeypatch.setattr(Trainer, "save_checkpoint", original)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", fail_once)
+    with pytest.raises(OSError, match="disk full"):
+        fit(tmp_path / "first", Net(manual=False), checkpoints=[ckpt])
+    ckpt.monitor = "val_loss"  # a validation score: its saves are deferred to validation, and hold the live state
+    fit(tmp_path, Net(manual=False), checkpoints=[ckpt], val_check_interval=0.5, limit_val_batches=1, max_steps=8)
+    assert ckpt.best_k_models
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
 @pytest.mark.parametrize(

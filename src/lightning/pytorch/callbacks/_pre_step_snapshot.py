@@ -37,6 +37,7 @@ class _PreStepCapture:
         self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_states = with_states
         self._warning_cache = WarningCache()
+        self._deferred: dict[ModelCheckpoint, Optional[Tensor]] = {}  # monitored value when a save was deferred
         self.reset()
 
     @classmethod
@@ -62,6 +63,7 @@ class _PreStepCapture:
         if checkpoint is not self._checkpoints[0]:
             return
         self.reset()
+        self._deferred.clear()
         step = trainer.global_step + 1  # under automatic optimization, a batch takes one step
         self._armed = any(
             not self._automatic or c._train_time_interval is not None or step % c._every_n_train_steps == 0
@@ -109,18 +111,25 @@ class _PreStepCapture:
     def _logged_in_batch(self, monitor: Optional[str], value: Optional[Tensor]) -> bool:
         """Whether ``value`` was logged since the batch started: every ``self.log`` call stores a new tensor."""
         start = self._start_values.get(monitor)
-        return value is not None and (start is None or value.data_ptr() != start.data_ptr())
+        return value is not None and (start is None or not _same(value, start))
 
-    def logged_in_batch_on_any_rank(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> bool:
-        logged = self._armed and self._logged_in_batch(checkpoint.monitor, _value(trainer.callback_metrics, checkpoint))
-        return trainer.strategy.reduce_boolean_decision(logged, all=False)
+    def defer(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
+        """Notes the monitored value of a save that ``checkpoint`` defers to the end of validation."""
+        self._deferred[checkpoint] = _value(trainer.callback_metrics, checkpoint)
+
+    def deferred(self, checkpoint: "ModelCheckpoint") -> bool:
+        return checkpoint in self._deferred
 
     def save_checkpoint(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint", filepath: str) -> None:
         """Writes a top-k checkpoint at the end of a batch: with the copy, or with the live weights and a warning."""
-        monitor = checkpoint.monitor
+        monitor, value = checkpoint.monitor, _value(trainer.callback_metrics, checkpoint)
+        if checkpoint in self._deferred:  # at the end of validation: the batch's value, unless validation logged anew
+            at_batch_end = self._deferred.pop(checkpoint)
+            value = value if at_batch_end is not None and value is not None and _same(value, at_batch_end) else None
         reason = None  # without a step in the batch, the live weights are the ones it started with
-        if not self._logged_in_batch(monitor, _value(trainer.callback_metrics, checkpoint)):
-            reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, or logged in an earlier batch)"
+        if not self._logged_in_batch(monitor, value):
+            reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, or a value"
+            reason += " logged in an earlier batch)"
         elif self.copy is None and (self._stepped or self._read_versions() != self._versions):
             reason = (
                 "the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`), or the"
@@ -137,7 +146,7 @@ class _PreStepCapture:
         if written == [False]:
             reason = "the module's parameters changed during the fit, or its state dict renames them"
             self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
-        if checkpoint is self._checkpoints[-1]:
+        if checkpoint is self._checkpoints[-1] and not self._deferred:
             self.copy = None  # the last checkpoint that can use it has saved
         if reason is not None:
             self._warning_cache.warn(
@@ -163,6 +172,10 @@ def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.Light
     return True
 
 
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr()
+
+
 def _value(metrics: dict[str, Tensor], checkpoint: "ModelCheckpoint") -> Optional[Tensor]:
     return metrics.get(checkpoint.monitor) if checkpoint.monitor is not None else None
 
@@ -181,11 +194,14 @@ def _clone(obj: Any) -> Any:
 def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[str]:
     """Why the pre-step state cannot be written with this trainer, or ``None`` if it can."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
-    from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
     cls = type(trainer.strategy)
-    if any(getattr(cls, m) is not getattr(Strategy, m) for m in ("save_checkpoint", "lightning_module_state_dict")):
-        return f"`{cls.__name__}` builds or writes the checkpoint itself."
+    if (
+        issubclass(cls, DeepSpeedStrategy)
+        or cls.lightning_module_state_dict is not Strategy.lightning_module_state_dict
+    ):
+        return f"`{cls.__name__}` builds the checkpoint's weights itself (from shards)."
     if any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers):
         return "`LBFGS` runs the closure several times in one step, so the score is from inside the step."
     if any(isinstance(c, (WeightAveraging, StochasticWeightAveraging)) for c in trainer.callbacks):
