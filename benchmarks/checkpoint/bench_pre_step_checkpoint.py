@@ -115,7 +115,9 @@ class Meter(Callback):
         copied = ckpt._pre_step.copy
         if copied is not None:
             self.copies += 1
-            self.peak_bytes = max(self.peak_bytes, tensor_bytes(copied))
+            # the copy holds (live parameter, its clone) pairs, the global step and the cloned state dicts
+            clones = sum(clone.nbytes for _, clone in copied["params"].values())
+            self.peak_bytes = max(self.peak_bytes, clones + tensor_bytes(copied["states"]))
 
 
 class StepClock(Callback):
@@ -172,7 +174,7 @@ class OwnTime:
         from lightning.pytorch.callbacks import _pre_step_snapshot as module
 
         cls = module._PreStepCapture
-        for name in ("start_batch", "before_optimizer_step", "logged_in_batch_on_any_rank", "save_checkpoint"):
+        for name in ("start_batch", "before_optimizer_step", "defer", "save_checkpoint"):
             setattr(cls, name, self._timed(getattr(cls, name), sign=1))
         # inside `save_checkpoint`: the save itself is not the capture's, the copy's write into it is
         Trainer.save_checkpoint = self._timed(Trainer.save_checkpoint, sign=-1)
