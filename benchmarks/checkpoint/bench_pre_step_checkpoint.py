@@ -234,7 +234,8 @@ def main():
     trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
     total = sum(p.nbytes for p in model.parameters())
     print(
-        f"\nmodel: {total / 2**20:.2f} MiB of parameters, {trainable / 2**10:.1f} KiB trainable ({trainable / total:.1%})"
+        f"\nmodel: {total / 2**20:.2f} MiB of parameters,"
+        f" {trainable / 2**10:.1f} KiB trainable ({trainable / total:.1%})"
     )
     # AdamW keeps two tensors like each trainable parameter, and a scalar step per parameter tensor
     n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
@@ -280,7 +281,8 @@ def main():
     }
     times = block_times(kinds, args.blocks, args.block_steps, every_n=10)
     print(
-        f"\nstep CPU time, every_n_train_steps=10, median of {args.blocks} alternating blocks of {args.block_steps} steps:"
+        f"\nstep CPU time, every_n_train_steps=10, median of {args.blocks} alternating blocks"
+        f" of {args.block_steps} steps:"
     )
     for mode in ("manual", "automatic"):
         off, on = times[f"{mode}, option off"], times[f"{mode}, option on"]
