@@ -33,7 +33,10 @@ class _PreStepCapture:
 
     def __init__(self, trainer: "pl.Trainer", checkpoints: list["ModelCheckpoint"], with_states: bool) -> None:
         self._checkpoints = checkpoints
-        self._automatic = trainer.lightning_module.automatic_optimization
+        # under automatic optimization a batch takes one step, so only the batches before a multiple of N may save
+        every_n = {c._every_n_train_steps for c in checkpoints if c._train_time_interval is None}
+        automatic = trainer.lightning_module.automatic_optimization and len(every_n) == len(checkpoints)
+        self._every_n = sorted(every_n) if automatic else None
         self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_states = with_states
         self._warning_cache = WarningCache()
@@ -62,13 +65,11 @@ class _PreStepCapture:
     def start_batch(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         if checkpoint is not self._checkpoints[0]:
             return
-        self.reset()
-        self._deferred.clear()
-        step = trainer.global_step + 1  # under automatic optimization, a batch takes one step
-        self._armed = any(
-            not self._automatic or c._train_time_interval is not None or step % c._every_n_train_steps == 0
-            for c in self._checkpoints
-        )
+        if self._armed:
+            self.reset()
+            self._deferred.clear()
+        step = trainer.global_step + 1
+        self._armed = self._every_n is None or any(step % n == 0 for n in self._every_n)
         if self._armed:
             self._versions = self._read_versions()
             metrics = trainer.callback_metrics
