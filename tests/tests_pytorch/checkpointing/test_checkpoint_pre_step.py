@@ -267,17 +267,37 @@ def count_copies(monkeypatch):
     return copies
 
 
-def test_two_checkpoints_with_the_option_share_one_copy_per_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("every_n", "copied"), [(4, [1, 3, 5, 7, 9, 11, 13, 15]), (2, [1, 3, 5, 7, 9, 11, 13, 15])])
+def test_two_checkpoints_with_the_option_share_one_copy_per_batch(tmp_path, monkeypatch, every_n, copied):
     copies = count_copies(monkeypatch)
     every_2 = checkpoint(tmp_path / "a", save_top_k=-1)
-    every_4 = checkpoint(tmp_path / "b", every_n_train_steps=4, save_top_k=-1, save_weights_only=True)
-    fit(tmp_path, Net(manual=False), checkpoints=[every_2, every_4])
+    other = checkpoint(tmp_path / "b", every_n_train_steps=every_n, save_top_k=-1, save_weights_only=True, mode="max")
+    fit(tmp_path, Net(manual=False), checkpoints=[every_2, other])
     assert every_2._pre_step is None  # released at the end of training
-    assert copies == [1, 3, 5, 7, 9, 11, 13, 15]  # the batches that end at a multiple of 2: one copy for both
-    for ckpt in (every_2, every_4):
+    assert copies == copied  # the batches that end at a multiple of a checkpoint's N: one copy for both
+    for ckpt in (every_2, other):
         for path, score in ckpt.best_k_models.items():
             torch.testing.assert_close(score_of(load(path)["state_dict"]), score.float(), rtol=0, atol=0)
-    assert "optimizer_states" not in load(next(iter(every_4.best_k_models)))
+    assert "optimizer_states" not in load(next(iter(other.best_k_models)))
+
+
+def test_a_frozen_teacher_updated_in_place_before_the_score_does_not_matter(tmp_path):
+    """Frozen parameters are read live, and their in-place updates (an EMA teacher) are not steps of the module."""
+
+    class WithTeacher(Net):
+        def __init__(self):
+            super().__init__(manual=False)
+            self.teacher = nn.Linear(4, 1).requires_grad_(False)
+
+        def training_step(self, batch, batch_idx):
+            with torch.no_grad():
+                self.teacher.weight.mul_(0.9).add_(0.1 * self.head.weight)
+            return super().training_step(batch, batch_idx)
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, WithTeacher())
+    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert_pairs(ckpt)
 
 
 @pytest.mark.parametrize("manual", [False, True])
@@ -329,17 +349,26 @@ def test_off_by_default_and_the_option_keeps_the_state_key(tmp_path):
     assert on.best_k_models.keys() == off.best_k_models.keys()
 
 
-def test_resuming_from_a_pre_step_file_says_what_fit_does(tmp_path):
+@pytest.mark.parametrize("enable_checkpointing", [True, False])
+def test_resuming_from_a_pre_step_file_says_what_fit_does(tmp_path, enable_checkpointing):
+    """Every `fit(ckpt_path=...)` from such a file warns once, with or without a `ModelCheckpoint` in the trainer."""
     _, (ckpt,) = fit(tmp_path, Net(), max_steps=8)
     path = ckpt.best_model_path
     saved = load(path)
-    seed_everything(7)
-    trainer = Trainer(default_root_dir=tmp_path, max_steps=10, logger=False, limit_val_batches=0, callbacks=[])
-    with recorded_warnings() as caught:
-        trainer.fit(Net(), ckpt_path=path)
-    (message,) = messages(caught, "holds the state from before the optimizer step")
-    assert f"at global step {saved['pre_optimizer_step']['global_step']}" in message
-    assert f"resumes at step {saved['global_step']}" in message
+    for _ in range(2):
+        seed_everything(7)
+        trainer = Trainer(
+            default_root_dir=tmp_path,
+            max_steps=10,
+            logger=False,
+            limit_val_batches=0,
+            enable_checkpointing=enable_checkpointing,
+        )
+        with recorded_warnings() as caught:
+            trainer.fit(Net(), ckpt_path=path)
+        (message,) = messages(caught, "holds the state from before the optimizer step")
+        assert f"at global step {saved['pre_optimizer_step']['global_step']}" in message
+        assert f"resumes at step {saved['global_step']}" in message
     with recorded_warnings() as caught:
         trainer.validate(Net(), ckpt_path=path)
     assert not messages(caught, "holds the state from before the optimizer step")  # it only concerns resuming

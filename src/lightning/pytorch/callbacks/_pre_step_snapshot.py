@@ -34,9 +34,11 @@ class _PreStepCapture:
     def __init__(self, trainer: "pl.Trainer", checkpoints: list["ModelCheckpoint"], with_states: bool) -> None:
         self._checkpoints = checkpoints
         # under automatic optimization a batch takes one step, so only the batches before a multiple of N may save
-        every_n = {c._every_n_train_steps for c in checkpoints if c._train_time_interval is None}
-        automatic = trainer.lightning_module.automatic_optimization and len(every_n) == len(checkpoints)
-        self._every_n = sorted(every_n) if automatic else None
+        automatic = trainer.lightning_module.automatic_optimization
+        if automatic and all(c._train_time_interval is None for c in checkpoints):
+            self._every_n: Optional[list[int]] = sorted({c._every_n_train_steps for c in checkpoints})
+        else:
+            self._every_n = None
         self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_states = with_states
         self._warning_cache = WarningCache()
@@ -98,8 +100,9 @@ class _PreStepCapture:
         self.copy = {"global_step": trainer.global_step, "params": params, "states": states}
 
     def _read_versions(self) -> list[int]:
-        # every in-place update of a tensor, by any optimizer, increases its version counter
-        return [p._version for _, p in self._named_params]
+        # every in-place update of a tensor, by any optimizer, increases its version counter; frozen parameters (a
+        # teacher updated in place, say) are not copied, so their changes do not matter
+        return [p._version for _, p in self._named_params if p.requires_grad]
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
         if value is None or not self._logged_in_batch(checkpoint.monitor, value):
