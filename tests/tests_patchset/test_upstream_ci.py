@@ -15,7 +15,7 @@ from patchset.upstream_ci import (
     oldest_job,
     ruff_version,
 )
-from patchset.upstream_envs import find_python
+from patchset.upstream_envs import find_python, oldest_files
 
 # Workflow and hook files shaped as upstream's (the parts the tool reads), in words of our own.
 CODE_CHECKS = """name: Code check
@@ -171,3 +171,13 @@ def test_a_missing_python_of_the_jobs_version_is_one_error_naming_the_option(tmp
         find_python(other, sys.executable)
     with pytest.raises(PatchsetError, match=r"no-such-python is not found"):
         find_python("3.10", str(tmp_path / "no-such-python"))
+
+
+def test_only_the_files_the_install_reads_are_pinned():
+    """Upstream's job rewrites examples.txt too, but installs no examples extra: its pins must not apply here."""
+    files = [f"requirements/pytorch/{name}.txt" for name in ("base", "extra", "strategies", "examples", "test")]
+    assert oldest_files(files, "pytorch") == [files[0], files[1], files[4]]
+    assert oldest_files(["requirements/fabric/base.txt", "requirements/fabric/test.txt"], "fabric") == [
+        "requirements/fabric/base.txt",
+        "requirements/fabric/test.txt",
+    ]

@@ -114,7 +114,7 @@ def oldest_environment(onto: Path, package: str, python: str | None = None) -> P
     job = oldest_job(onto, package)
     base = find_python(job.python, python)
     extras = ",".join(EXTRAS[package])
-    constraints = oldest_constraints(onto, job.requirement_files)
+    constraints = oldest_constraints(onto, oldest_files(job.requirement_files, package))
     return cached_venv(
         f"{package}-oldest",
         [*_requirements(onto), constraints.encode()],
@@ -123,6 +123,16 @@ def oldest_environment(onto: Path, package: str, python: str | None = None) -> P
         _CI_ENV,
         {"oldest-constraints.txt": constraints},
     )
+
+
+def oldest_files(files: list[str], package: str) -> list[str]:
+    """Those of the oldest job's requirement files that the install reads: ``base.txt`` and the installed extras'.
+
+    Upstream's job rewrites more (``examples.txt``), but installs only some extras; a file it does not install pins
+    nothing there, and must not pin here (``torchmetrics`` is in ``base.txt`` with a lower bound of its own).
+    """
+    read = {"base", *(extra.split("-", 1)[1] for extra in EXTRAS[package])}
+    return [f for f in files if Path(f).stem in read]
 
 
 def mypy_environment(onto: Path, job: MypyJob) -> Path:

@@ -35,6 +35,7 @@ from patchset.upstream_envs import (
     mypy_environment,
     newest_environment,
     oldest_environment,
+    oldest_files,
     python_version,
     ruff_environment,
 )
@@ -282,7 +283,7 @@ def _test_job(
     options: list[str] = []
     if run == "oldest":
         job = oldest_job(onto, package)
-        files = ", ".join(f"`{Path(f).name}`" for f in job.requirement_files)
+        files = ", ".join(f"`{Path(f).name}`" for f in oldest_files(job.requirement_files, package))
         installed += (
             f"; every `>=` of `requirements/{package}/` {files} pinned as `==` (`set-oldest`), pytest's"
             " `filterwarnings` without `error::FutureWarning` (`prune_pytest_as_errors`)"
