@@ -76,7 +76,8 @@ def cached_venv(
         args = [arg.replace("{venv}", str(venv)) for arg in step]
         proc = subprocess.run([str(python), "-m", "pip", *args], env=environ, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise PatchsetError(f"pip {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+            said = [line for line in proc.stderr.splitlines() if not line.startswith("WARNING: ")]
+            raise PatchsetError(f"pip {' '.join(args)} failed:\n" + "\n".join(said)[-2000:])
     (venv / ".complete").write_text("")
     return python
 
