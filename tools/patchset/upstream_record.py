@@ -179,8 +179,8 @@ class CheckRecord:
             *self.context.rows(self.run),
             f"| installed as | {self.installed} |",
             f"| command | {self.command} |",
-            f"| on the PR branch | {len(self.branch)} findings ({_cell(self.branch_summary)}) |",
-            f"| on the base | {len(self.on_base)} findings ({_cell(self.base_summary)}) |",
+            f"| on the PR branch | {_findings(len(self.branch))} ({_cell(self.branch_summary)}) |",
+            f"| on the base | {_findings(len(self.on_base))} ({_cell(self.base_summary)}) |",
             f"| findings caused by the patch | **{len(self.caused)}** |",
             f"| wall time | {_duration(self.seconds)} |",
             "",
@@ -200,6 +200,10 @@ class CheckRecord:
             lines.append("")
         lines.append(_END)
         return "\n".join(lines)
+
+
+def _findings(count: int) -> str:
+    return f"{count} finding" + ("" if count == 1 else "s")
 
 
 def _duration(seconds: float) -> str:
