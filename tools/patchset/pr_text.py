@@ -29,7 +29,7 @@ from patchset.fork_metadata import fork_url
 from patchset.gitops import git
 from patchset.materialize import overlay_files
 from patchset.series import Patch
-from patchset.upstream_record import RUNS, TITLES, blob_hash, caused_count, sections
+from patchset.upstream_record import PAGE, RUNS, TITLES, blob_hash, caused_count, sections
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 NOT_ANSWERED = "**not answered**"
@@ -108,9 +108,9 @@ def tests_answer(project: Path, patch: Patch) -> Answer:
         ok = ok and caused == 0
         counts = _row(section, "on the PR branch")
         parts.append(f"{TITLES[run]}: {counts}, {caused} caused by this PR")
-    lead = "Yes" if ok else "Not yet"
-    pre = " (anything else fails on the base too: see the record)" if ok else ""
-    return Answer(ok, f"{lead}{pre}: " + "; ".join(parts) + ".")
+    record = f"[the record]({fork_url(project)}/blob/main/{PAGE.as_posix()})"
+    lead = f"Yes, every other failure or finding is on the base too ({record})" if ok else f"Not yet ({record})"
+    return Answer(ok, f"{lead}: " + "; ".join(parts) + ".")
 
 
 def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]:
