@@ -149,8 +149,14 @@ def ruff_environment(version: str) -> Path:
 
 
 def installed_version(python: Path, dist: str) -> str:
-    """The version of ``dist`` in ``python``'s environment, local part included (``2.9.1+cu128``)."""
-    code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    """The version of ``dist`` in ``python``'s environment; torch's as it reports itself, with its build (``+cu128``).
+
+    The index's torch wheels carry no local label in their metadata, but ``torch.__version__`` names the build.
+    """
+    if dist == "torch":
+        code = "import torch; print(torch.__version__)"
+    else:
+        code = f"import importlib.metadata as m; print(m.version({dist!r}))"
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         raise PatchsetError(f"{python} has no {dist}:\n{proc.stderr[-2000:]}")
