@@ -94,3 +94,42 @@ def run_python(python: Path, code: str) -> str:
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
+
+
+# A pull request template shaped as upstream's `.github/PULL_REQUEST_TEMPLATE.md` (its sections, comments and both
+# kinds of checklist item), in words of our own: the tests fill it as `upstream-pr` fills upstream's.
+PR_TEMPLATE = """## What does this PR do?
+
+<!--
+Say what changes and why; link the issue.
+-->
+
+Fixes #\\<issue_number>
+
+<!-- Any breaking changes? List them here. -->
+
+<details>
+  <summary><b>Before submitting</b></summary>
+
+- Was this **discussed/agreed** via a GitHub issue? (not for typos and docs)
+- [ ] Did you read the [contributor guideline](https://example.invalid/CONTRIBUTING.md), **Pull Request** section?
+- [ ] Did you make sure your **PR does only one thing**, instead of bundling different changes together?
+- Did you make sure to **update the documentation** with your changes? (if necessary)
+- Did you write any **new necessary tests**? (not for typos and docs)
+- [ ] Did you verify new and **existing tests pass** locally with your changes?
+- Did you list all the **breaking changes** introduced by this pull request?
+- Did you **update the CHANGELOG**? (not for typos, docs, test updates, or minor internal changes/refactors)
+
+<!-- a note on CHANGELOG entries -->
+
+</details>
+
+## PR review
+
+<details>
+  <summary>Reviewer checklist</summary>
+
+- [ ] Is this pull request ready for review?
+
+</details>
+"""

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import PROJECT_EMAIL, git, write
+from patchset_helpers import PR_TEMPLATE, PROJECT_EMAIL, git, write
 
 from patchset import PatchsetError
 from patchset.export import export
@@ -100,10 +100,44 @@ def test_a_new_file_that_exists_upstream_leaves_the_checkout_as_it_was(demo_proj
     assert "patchset/" not in git(upstream_checkout, "branch")
 
 
-def test_cli_upstream_pr(demo_project: Path, upstream_checkout: Path, run_cli):
+def test_cli_upstream_pr_makes_the_branch_and_writes_the_pr_description(
+    demo_project: Path, upstream_checkout: Path, run_cli, tmp_path: Path
+):
+    write(upstream_checkout / ".github/PULL_REQUEST_TEMPLATE.md", PR_TEMPLATE)
+    git(upstream_checkout, "add", "-A")
+    git(upstream_checkout, "commit", "-qm", "upstream's PR template")
+    proc = run_cli(demo_project, "upstream-pr", "0002", "--onto", str(upstream_checkout), "--branch", "pr-demo")
+    assert proc.returncode == 0, proc.stderr
+    written = demo_project / ".work/pr/0002-fabric-add-a-demo-helper.md"
+    assert proc.stdout.splitlines() == [
+        f"created branch pr-demo in {upstream_checkout}",
+        f"wrote the PR description to {written}",
+    ]
+    text = written.read_text()
+    assert text.startswith("## What does this PR do?\n\nWhy: the demo needs it.\n")
+    assert "Fixes #21308\n" in text
+    assert "- Was this **discussed/agreed** via a GitHub issue? (not for typos and docs) Yes: #21308." in text
+    assert "Yes: `src/lightning/fabric/utilities/_demo.py`" not in text  # not a test, not docs
+    assert "Yes: `tests/tests_fabric/utilities/test_demo.py`." in text
+    assert proc.stderr == ""
+    assert git(upstream_checkout, "status", "--porcelain") == ""  # nothing written into the upstream checkout
+
+    proc = run_cli(
+        demo_project, "upstream-pr", "0002", "--onto", str(upstream_checkout), "--branch", "pr-demo", "--force",
+        "--description", "-",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n", 1)[1] == text  # printed, the same text
+
+
+def test_cli_upstream_pr_without_a_template_makes_the_branch_and_says_why_there_is_no_description(
+    demo_project: Path, upstream_checkout: Path, run_cli
+):
     proc = run_cli(demo_project, "upstream-pr", "0002", "--onto", str(upstream_checkout), "--branch", "pr-demo")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"created branch pr-demo in {upstream_checkout}"
+    assert "no PR description written" in proc.stderr
+    assert ".github/PULL_REQUEST_TEMPLATE.md" in proc.stderr
 
 
 @pytest.mark.parametrize(

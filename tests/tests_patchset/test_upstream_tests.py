@@ -6,21 +6,25 @@ from pathlib import Path
 
 import pytest
 from patchset_helpers import REPO, git, write
+from test_upstream_ci import TESTS_WORKFLOW
 
 from patchset.export import export
 from patchset.materialize import base_repo, materialize_workspace
 from patchset.pin import read_pin
 from patchset.series import read_series
-from patchset.upstream_tests import (
+from patchset.upstream_record import (
     PAGE,
+    RUNS,
+    Context,
     Outcome,
     Record,
     blob_hash,
+    caused_count,
     portable,
     recorded_blobs,
-    run_upstream_tests,
-    upstream_ancestor,
+    sections,
 )
+from patchset.upstream_tests import run_upstream_tests, upstream_ancestor
 
 INIT = "src/lightning/fabric/utilities/__init__.py"
 TINY_TESTS = f'''from pathlib import Path
@@ -50,6 +54,12 @@ def test_skipped():
 @pytest.mark.standalone
 def test_standalone():
     assert True
+
+
+def test_future_warning():
+    import warnings
+
+    warnings.warn("soon", FutureWarning)  # an error under upstream's filters, not under the oldest job's
 '''
 # upstream's conftest keeps only standalone tests when PL_RUN_STANDALONE_TESTS=1; this one does the same, small
 TINY_CONFTEST = """import os
@@ -73,6 +83,7 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
     base_repo(read_pin(project), onto)
     write(onto / "tests/tests_fabric/test_tiny.py", TINY_TESTS)
     write(onto / "tests/tests_fabric/conftest.py", TINY_CONFTEST)
+    write(onto / ".github/workflows/ci-tests-fabric.yml", TESTS_WORKFLOW)
     git(onto, "add", "-A")
     git(onto, "commit", "-qm", "upstream's tests")
     git(onto, "checkout", "-q", "-b", "work")  # the maintainer is elsewhere; the run must come back here
@@ -81,52 +92,78 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
     git(workspace, "commit", "-qam", "fabric: mark\n\nWhy.\n\nForwarded: no\nChangelog: fabric Fixed: Fixed it")
     export(project)
 
-    record = run_upstream_tests(project, "2", onto, base="main", python=sys.executable)
+    newest, oldest = run_upstream_tests(
+        project, "2", onto, runs=["newest", "oldest"], base="main", interpreters={"oldest": Path(sys.executable)},
+        python=sys.executable,
+    )  # fmt: skip
 
-    outcomes = {nodeid.split("::")[1]: o.outcome for nodeid, o in record.branch.items()}
+    assert isinstance(newest, Record)
+    outcomes = {nodeid.split("::")[1]: o.outcome for nodeid, o in newest.branch.items()}
     assert outcomes == {
         "test_unaffected": "passed",
         "test_broken_by_the_patch": "failed",
         "test_broken_anyway": "failed",
         "test_skipped": "skipped",
         "test_standalone": "passed",  # in a process of its own
+        "test_future_warning": "failed",
     }
-    assert record.on_base["tests/tests_fabric/test_tiny.py::test_broken_by_the_patch"].outcome == "passed"
-    assert [o.nodeid.split("::")[1] for o in record.caused] == ["test_broken_by_the_patch"]
-    assert record.local_commits == ["not checked: the checkout has no remote to compare with"]
+    assert newest.on_base["tests/tests_fabric/test_tiny.py::test_broken_by_the_patch"].outcome == "passed"
+    assert [o.nodeid.split("::")[1] for o in newest.caused] == ["test_broken_by_the_patch"]
+    assert newest.context.local_commits == ["not checked: the checkout has no remote to compare with"]
+    # the oldest job's warning filters (upstream's, without error::FutureWarning), on the same branch and base
+    assert isinstance(oldest, Record)
+    assert oldest.branch["tests/tests_fabric/test_tiny.py::test_future_warning"].outcome == "passed"
+    assert [o.nodeid.split("::")[1] for o in oldest.caused] == ["test_broken_by_the_patch"]
     assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == "work"
     assert git(onto, "status", "--porcelain") == ""
 
     page = (project / PAGE).read_text()
     patch = read_series(project)[1]
-    assert recorded_blobs(project) == {patch.name: blob_hash(patch.path)}
+    assert recorded_blobs(project) == {
+        (patch.name, "newest"): blob_hash(patch.path),
+        (patch.name, "oldest"): blob_hash(patch.path),
+    }
     assert blob_hash(patch.path) == git(tmp_path, "hash-object", str(patch.path))  # what git itself computes
-    assert "| on the PR branch | 2 passed, 2 failed, 1 skipped |" in page
-    assert "| failures caused by the patch | **1** |" in page
+    newest_section, oldest_section = (
+        sections(project)[(patch.name, "newest")],
+        sections(project)[(patch.name, "oldest")],
+    )
+    assert page.index(newest_section) < page.index(oldest_section)
+    assert "| on the PR branch | 2 passed, 3 failed, 1 skipped |" in newest_section
+    assert "| on the PR branch | 3 passed, 2 failed, 1 skipped |" in oldest_section
+    assert caused_count(newest_section) == caused_count(oldest_section) == 1
+    assert "`base.txt`, `test.txt` pinned as `==` (`set-oldest`)" in oldest_section
     assert "| `tests/tests_fabric/test_tiny.py::test_broken_by_the_patch` | **the patch** | AssertionError: the" in page
     assert "| `tests/tests_fabric/test_tiny.py::test_broken_anyway` | pre-existing (fails on the base too) |" in page
 
-    # a second run replaces the patch's section instead of adding one
-    run_upstream_tests(project, "2", onto, base="main", python=sys.executable, base_runs="failures")
-    assert (project / PAGE).read_text().count("<!-- upstream-tests: 0002-") == 1
-    assert "| on the base (the tests that failed on the branch) | 1 passed, 1 failed" in (project / PAGE).read_text()
+    # a second run replaces the job's section and keeps the other job's
+    run_upstream_tests(project, "2", onto, runs=["newest"], base="main", python=sys.executable, base_runs="failures")
+    page = (project / PAGE).read_text()
+    assert page.count("<!-- upstream-tests: 0002-") == 2
+    assert "| on the base (the tests that failed on the branch) | 1 passed, 2 failed" in page
+    assert oldest_section in page
 
 
 def test_the_page_records_every_upstream_bound_patch_as_it_is_now():
-    """CI cannot reach upstream: it checks that the recorded runs are of the patches as committed, with 0 failures
-    caused by them."""
+    """CI cannot reach upstream: it checks that each of upstream's jobs was recorded on the patches as committed, with
+    nothing caused by them."""
     assert (REPO / PAGE).is_file(), f"{PAGE} is missing: run `python -m patchset upstream-tests` for each patch"
-    recorded = recorded_blobs(REPO)
-    page = (REPO / PAGE).read_text(encoding="utf-8")
+    recorded, found = recorded_blobs(REPO), sections(REPO)
+    missing = []
     for patch in read_series(REPO):
         if not patch.upstreamable:
             continue
-        assert recorded.get(patch.name) == blob_hash(patch.path), (
-            f"{PAGE} does not record upstream's tests for {patch.name} as it is now: run"
-            f" `python -m patchset upstream-tests {patch.name[:4]} --onto <upstream checkout>`"
-        )
-        section = page.split(f"<!-- upstream-tests: {patch.name} -->", 1)[1].split("<!-- /upstream-tests -->", 1)[0]
-        assert "| failures caused by the patch | **0** |" in section, patch.name
+        for run in RUNS:
+            if recorded.get((patch.name, run)) != blob_hash(patch.path):
+                missing.append(f"{patch.name[:4]} {run}")
+            elif caused_count(found[(patch.name, run)]) != 0:
+                missing.append(
+                    f"{patch.name[:4]} {run} (caused by the patch: {caused_count(found[(patch.name, run)])})"
+                )
+    assert not missing, (
+        f"{PAGE} does not record upstream's jobs on these patches as they are now: {', '.join(missing)}; run"
+        " `python -m patchset upstream-tests NNNN --onto <upstream checkout>` for each"
+    )
 
 
 def test_node_ids_keep_classes_and_a_crash_is_a_failure(tmp_path: Path):
@@ -184,7 +221,7 @@ def test_environment_failures_take_one_row_with_their_cause_and_no_machine_path(
     failures = {nodeid: Outcome(nodeid, "failed", portable(reason, {checkout: "<checkout>"})) for nodeid in legacy}
     failures["tests/x.py::test_mine"] = Outcome("tests/x.py::test_mine", "failed", "AssertionError: mine")
     failures["tests/y.py::test_old"] = Outcome("tests/y.py::test_old", "failed", "ValueError: old")
-    record = Record("0003-x.patch", "0" * 40, "pytorch", "1" * 40, "master", "2.9.1", ["tests"], branch=failures)
+    record = Record(Context("0003-x.patch", "0" * 40, "1" * 40), "newest", "torch 2.9.1", ["tests"], branch=failures)
     record.on_base = {n: o for n, o in failures.items() if n != "tests/x.py::test_mine"}
     rows = [line for line in record.markdown().splitlines() if line.startswith("| `")]
     assert rows == [

@@ -59,6 +59,29 @@ def _upstream_pr(args: argparse.Namespace) -> int:
         author=args.author,
     )
     print(f"created branch {branch} in {args.onto}")
+    return _write_description(args)
+
+
+def _write_description(args: argparse.Namespace) -> int:
+    from patchset.pr_text import default_path, pr_description, unanswered
+    from patchset.upstream_pr import default_base, find_patch
+
+    patch = find_patch(args.project, args.patch)
+    onto = args.onto.resolve()
+    try:
+        text = pr_description(args.project, args.patch, onto, args.base or default_base(args.project, patch, onto))
+    except PatchsetError as err:  # the branch is made: say why there is no description, and succeed
+        print(f"no PR description written: {err}", file=sys.stderr)
+        return 0
+    if str(args.description) == "-":
+        print(text, end="")
+    else:
+        path = args.description or default_path(args.project, patch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote the PR description to {path}")
+    for line in unanswered(text):
+        print(f"not answered (upstream's template has an item upstream-pr does not know): {line}", file=sys.stderr)
     return 0
 
 
@@ -75,21 +98,26 @@ def _import_pr(args: argparse.Namespace) -> int:
 
 
 def _upstream_tests(args: argparse.Namespace) -> int:
+    from patchset.upstream_record import PAGE
     from patchset.upstream_tests import run_upstream_tests
 
-    record = run_upstream_tests(
+    records = run_upstream_tests(
         args.project,
         args.patch,
         args.onto.resolve(),
+        runs=args.runs,
         base=args.base,
         torch=args.torch,
         python=args.python,
         select=args.select,
         base_runs=args.base_runs,
         author=args.author,
+        oldest_python=args.oldest_python,
     )
-    print(record.summary())
-    return 0 if not record.caused else 1
+    for record in records:
+        print(f"{record.context.patch} {record.summary()}")
+    print(f"recorded in {PAGE}")
+    return 0 if not any(record.caused for record in records) else 1
 
 
 def _rebase(args: argparse.Namespace) -> int:
@@ -139,6 +167,8 @@ def _install(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m patchset``."""
+    from patchset.upstream_record import RUNS
+
     top = argparse.ArgumentParser(prog="patchset", description=__doc__)
     top.add_argument(
         "--project", type=Path, default=_DEFAULT_PROJECT, help="the patch set checkout (default: this one)"
@@ -172,6 +202,13 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--base", help="start the branch here (default: upstream's default branch, or the Depends-On PR)")
     cmd.add_argument("--force", action="store_true", help="recreate the branch if it exists")
     cmd.add_argument("--author", help="'Name <address>' for the commit (default: the patch's author)")
+    cmd.add_argument(
+        "--description",
+        type=Path,
+        metavar="FILE",
+        help="write the PR description (upstream's template, answered) here; - prints it"
+        " (default: .work/pr/<patch>.md in this checkout)",
+    )
     cmd.set_defaults(run=_upstream_pr)
 
     cmd = sub.add_parser("import-pr", help="take a PR branch's upstream-only edits and new files back into the patch")
@@ -181,21 +218,36 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--base", help="what the branch started from (default: as upstream-pr)")
     cmd.set_defaults(run=_import_pr)
 
-    cmd = sub.add_parser("upstream-tests", help="run upstream's tests on a patch's PR branch and on its base; record")
+    cmd = sub.add_parser(
+        "upstream-tests",
+        help="run upstream's CI jobs (tests, oldest, mypy, ruff) on a patch's PR branch and its base; record them",
+    )
     cmd.add_argument("patch", help="patch file name or number, e.g. 0002")
     cmd.add_argument("--onto", type=Path, required=True, help="an upstream Lightning git checkout (left clean)")
+    cmd.add_argument(
+        "--runs",
+        nargs="+",
+        choices=list(RUNS),
+        default=list(RUNS),
+        help="the jobs to run and record (default: all): the tests with the newest torch allowed, under the oldest"
+        " requirements, mypy, ruff",
+    )
     cmd.add_argument("--base", help="as upstream-pr --base")
     cmd.add_argument(
         "--torch",
-        help="the torch release to test with (default: the newest that upstream's requirements allow, as their CI)",
+        help="newest: the torch release to test with (default: the newest that upstream's requirements allow)",
     )
-    cmd.add_argument("--python", help="use this venv's interpreter instead of making one")
+    cmd.add_argument("--python", help="newest: use this venv's interpreter instead of making one")
+    cmd.add_argument(
+        "--oldest-python",
+        help="oldest: the Python to make its venv from, of the version upstream's oldest job runs (default: on PATH)",
+    )
     cmd.add_argument("--select", nargs="+", help="test paths or node ids instead of the patch's default selection")
     cmd.add_argument(
         "--base-runs",
         choices=["all", "failures"],
         default="all",
-        help="on the base, rerun the whole selection (default) or only what failed on the branch",
+        help="tests: on the base, rerun the whole selection (default) or only what failed on the branch",
     )
     cmd.add_argument("--author", help="as upstream-pr --author")
     cmd.set_defaults(run=_upstream_tests)
