@@ -281,6 +281,41 @@ def test_two_checkpoints_with_the_option_share_one_copy_per_batch(tmp_path, monk
     assert "optimizer_states" not in load(next(iter(other.best_k_models)))
 
 
+def two_part_score(head_weight, head_bias, tail_weight, tail_bias):
+    return nn.functional.mse_loss(PROBE_X @ (head_weight + tail_weight).T + head_bias + tail_bias, PROBE_Y)
+
+
+def test_several_optimizers_pair_with_the_state_from_before_the_first_step(tmp_path):
+    """Two optimizers step one after the other in each batch (a GAN's pattern): the file holds both parts as they
+    were before the first step, which computed the score, not the first part after its step."""
+
+    class TwoParts(Net):
+        def __init__(self):
+            super().__init__(manual=True, log_in=None)
+            self.tail = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("score", two_part_score(self.head.weight, self.head.bias, self.tail.weight, self.tail.bias))
+            for opt in self.optimizers():
+                opt.zero_grad()
+                self.manual_backward(nn.functional.mse_loss(self.head(x) + self.tail(x), y))
+                opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.05), torch.optim.SGD(self.tail.parameters(), lr=0.05)
+
+    _, (ckpt,) = fit(tmp_path, TwoParts(), checkpoints=[checkpoint(tmp_path, every_n_train_steps=2)], max_steps=16)
+    assert len(ckpt.best_k_models) == 3
+    for path, score in ckpt.best_k_models.items():
+        state_dict = load(path)["state_dict"]
+        parts = (state_dict[f"{layer}.{name}"] for layer in ("head", "tail") for name in ("weight", "bias"))
+        head_weight, head_bias, tail_weight, tail_bias = parts
+        score_of_file = two_part_score(head_weight, head_bias, tail_weight, tail_bias)
+        torch.testing.assert_close(score_of_file, score.float(), rtol=0, atol=0)
+        assert "pre_optimizer_step" in load(path)
+
+
 def test_a_frozen_teacher_updated_in_place_before_the_score_does_not_matter(tmp_path):
     """Frozen parameters are read live, and their in-place updates (an EMA teacher) are not steps of the module."""
 

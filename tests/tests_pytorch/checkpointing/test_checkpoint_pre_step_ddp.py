@@ -7,10 +7,10 @@ rank logged during a batch is its own; no decision that leads into a collective 
 
 import pytest
 import torch
-from tests_pytorch.checkpointing.test_checkpoint_pre_step import PROBE_X, PROBE_Y, Net, checkpoint, load, score_of
 from torch import nn
 
 from lightning.pytorch import Callback, Trainer, seed_everything
+from tests_pytorch.checkpointing.test_checkpoint_pre_step import PROBE_X, PROBE_Y, Net, checkpoint, load, score_of
 
 BATCHES_PER_EPOCH = 8  # 64 samples, 2 ranks, batches of 4
 

@@ -6,6 +6,13 @@ import types
 
 import pytest
 import torch
+from torch import nn
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     PROBE_X,
     PROBE_Y,
@@ -20,13 +27,6 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     recorded_warnings,
     score_of,
 )
-from torch import nn
-
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
-from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 FALLBACK = "saves the live weights as if it were off"
 LIVE = "holds the live weights, after the optimizer step, as without the option"
