@@ -228,6 +228,28 @@ def test_a_rerun_runs_as_if_the_test_came_next(tmp_path):
     assert run.result.returncode == 0
 
 
+_TIMED = """
+    import time
+
+    def test_loses_its_port_then_hangs():
+        if attempt("hangs") == 1:
+            store_on_busy_port()
+        time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("args", "conftest"), [([], REGISTER), (["-p", "lightning.fabric.utilities.testing.port_reruns"], "")]
+)
+def test_a_rerun_is_timed_as_any_attempt(tmp_path, args, conftest):
+    """The rerun goes through every hook of the protocol again: pytest-timeout's timer stops a hanging rerun."""
+    run = run_pytest(tmp_path, _TIMED, *args, "--timeout", "3", "--timeout-method", "signal", conftest=conftest)
+    assert run.attempts() == {"hangs": 2}
+    assert "1 failed, 1 rerun" in run.result.stdout, run.result.stdout[-3000:]
+    assert "Failed: Timeout" in run.result.stdout
+
+
 def _store_error():
     with socket.socket() as listener:
         listener.bind(("", 0))

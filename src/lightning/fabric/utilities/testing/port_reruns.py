@@ -21,7 +21,10 @@ The rule: a test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, `
 setup or call failed with a port conflict: the exception, or one it was raised from or while handling, is an
 ``OSError`` with ``errno`` ``EADDRINUSE``, or any exception but an ``AssertionError`` whose message says
 ``EADDRINUSE`` or "address already in use" (``TCPStore``'s ``DistNetworkError``, gloo's errors). The rerun is
-pytest's own protocol run again, as if the test came next. Nothing else is changed, and nothing at all when:
+pytest's own protocol run again, as if the test came next: fixtures that the next test would share stay set up,
+those that pytest tore down after the failed attempt (it was their last test) are set up again, and a wider-scoped
+fixture that failed keeps its error for its scope, as pytest keeps it. Nothing else is changed, and nothing at all
+when:
 
 * ``--pdb`` or ``--trace`` is given: a debugging session sees every failure as it is;
 * the test is one that pytest-rerunfailures reruns (a ``flaky`` marker, or ``--reruns``, ``--force-reruns`` or the
@@ -80,9 +83,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_reruns_key] = int(value)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Generator[None, Any, Any]:
-    """Run the protocol; after an attempt that lost its port, clean it up and run the protocol again."""
+    """Run the protocol; after an attempt that lost its port, clean it up and run the protocol again.
+
+    The outermost wrapper, however the plugin was registered: the other wrappers (pytest's warnings capture,
+    pytest-timeout's timer) have finished with the failed attempt when its rerun starts, and wrap the rerun anew.
+
+    """
     if not _reruns_allowed(item):
         return (yield)
     attempt = item.stash[_attempt_key] = _Attempt()
