@@ -64,6 +64,7 @@ SAME = [  # (name, suite, args, ini, stdin): the run must be the same as without
     ("-n 2 --reruns 1, a worker crashes", KEEP + suites._CRASH, ["-n", "2", "--reruns", "1"], "", ""),
 ]
 RERUN = [("loses its port once", []), ("loses its port once, -n 2", ["-n", "2"])]
+TIMED = ["--timeout", "3", "--timeout-method", "signal"]  # the rerun hangs: pytest-timeout must stop it
 
 
 def _same(root, name, suite, args, ini, stdin, conftest):
@@ -103,6 +104,10 @@ def main() -> None:
             for design, conftest in designs.items():
                 run = run_pytest(root / design / name, suites._LOSES_PORT_ONCE, *args, conftest=conftest)
                 rows[-1].append(run.attempts().get("loses_port_once") == 2 and run.result.returncode == 0)
+        rows.append(["a hanging rerun is stopped by pytest-timeout"])
+        for design, conftest in designs.items():
+            run = run_pytest(root / design / "timed", suites._TIMED, *TIMED, conftest=conftest)
+            rows[-1].append(run.attempts().get("hangs") == 2 and "Failed: Timeout" in run.result.stdout)
     parts = {  # the protocol design's code, by what it is for
         "deciding and rerunning": [
             port_reruns.is_port_conflict,
