@@ -101,7 +101,9 @@ def run_pytest(
     (path / "test_inner.py").write_text(
         "import os\nfrom conflict import attempt, store_on_busy_port\n" + textwrap.dedent(tests)
     )
-    run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PL_PORT_CONFLICT_RERUNS", "LOCAL_RANK")}
+    # nothing of the outer session: not its xdist worker's PYTEST_XDIST_WORKER, not its PYTEST_ADDOPTS
+    dropped = ("MASTER_PORT", "PL_PORT_CONFLICT_RERUNS", "LOCAL_RANK")
+    run_env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith("PYTEST_")}
     run_env.update(OUT=str(path), PYTHONPATH=os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])))
     run_env.update(env or {})
     options = ["-p", "no:randomly", *([] if cache else ["-p", "no:cacheprovider"])]
