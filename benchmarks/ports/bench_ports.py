@@ -18,13 +18,19 @@ the rank-0 store on it, keep it for a short run, close it and release the pick. 
 ephemeral listeners and make outgoing connections, as other programs on a CI machine do. Pickers, in the same run:
 
 * ``stock``: Lightning 2.6.6's ``find_free_network_port`` (bind port 0, close, hand out the number);
+* ``find_free_network_port``: the fork's function of that name, called directly as scripts and test fixtures call it
+  before setting ``MASTER_PORT``; it holds nothing (see the docs for why);
 * ``per-process``: a manager in the style of PR #21309 (bind port 0, skip ports this process holds or released
   recently, a thread lock, nothing shared between processes);
 * ``name-lease``: bind port 0, then lease the port under an abstract UNIX socket name ``\\0lightning-port-<port>``
   (Linux; EADDRINUSE on the name means another process leased it: pick again), close the TCP socket, keep the name
   until the run ends. This coordinates the pickers but not the noise;
-* ``held`` (this patch): :class:`~lightning.fabric.utilities.port_manager.PortReservation`, which keeps the picking
-  socket bound, with ``SO_REUSEADDR`` and not listening, until the run ends.
+* ``held`` (this patch): the fork's ``LightningEnvironment``, whose pick stays bound (``SO_REUSEADDR``, not
+  listening) until the store is bound, where ``release_port`` ends the hold as ``_init_dist_connection`` does;
+* ``sweep-stock`` and ``sweep-held``: several fits in one process, each worker's trials one after the other. Stock
+  leaves the ``MASTER_PORT`` its launcher wrote, so every fit after the first reuses that port, unheld, after a gap;
+  the fork's spawn launchers set it through ``launching_on_port``, which puts it back when the fit ends, so every fit
+  picks and holds a port of its own (``sweep-held`` runs that code).
 
 The store is bound as ``TCPStore``'s server binds (both backends): a dual-stack socket where available,
 ``SO_REUSEADDR``, bind, listen. That bind fails with ``EADDRINUSE`` under exactly the conditions the store's does, so
@@ -56,9 +62,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing import get_context
 
-PICKERS = ("stock", "per-process", "name-lease", "held")
+PICKERS = ("stock", "find_free_network_port", "per-process", "name-lease", "held", "sweep-stock", "sweep-held")
 
 
 def _stock() -> tuple[int, None]:
@@ -125,24 +132,44 @@ def _bind_store(port: int) -> socket.socket:
     return sock
 
 
-def worker(picker: str, trials: int, window: float, seed: int, out) -> None:
-    from lightning.fabric.utilities.port_manager import PortReservation
+def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None], Callable[[], None]]:
+    """The picked port, what to call once the store is bound, and what to call when the run has ended."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+    from lightning.fabric.utilities.port_manager import launching_on_port, release_port
 
+    nothing = lambda: None  # noqa: E731
+    if picker == "stock":
+        return _stock()[0], nothing, nothing
+    if picker == "find_free_network_port":
+        return find_free_network_port(), nothing, nothing
+    if picker == "per-process":
+        port = per_process.pick()[0]
+        return port, nothing, lambda: per_process.release(port)
+    if picker == "name-lease":
+        port, lease = _name_lease()
+        return port, nothing, lease.close
+    if picker == "sweep-stock":  # 2.6.6's LightningEnvironment.main_port, and its launchers' MASTER_PORT, left set
+        port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else _stock()[0]
+        os.environ["MASTER_PORT"] = str(port)
+        return port, nothing, nothing
+    env = LightningEnvironment()
+    if picker == "sweep-held":  # as the spawn launchers do: MASTER_PORT for the fit, put back when it ends
+        launch = launching_on_port(env.main_port)
+        launch.__enter__()
+        return env.main_port, nothing, lambda: (launch.__exit__(None, None, None), env)  # env: alive until then
+    return env.main_port, lambda: release_port(env.main_port), env.teardown
+
+
+def worker(picker: str, trials: int, window: float, seed: int, out) -> None:
+    os.environ.pop("MASTER_PORT", None)
     rng = random.Random(seed)
     per_process = _PerProcess()
     results = []
     for _ in range(trials):
         t0 = time.perf_counter()
         try:
-            if picker == "stock":
-                port, handle = _stock()
-            elif picker == "per-process":
-                port, handle = per_process.pick()
-            elif picker == "name-lease":
-                port, handle = _name_lease()
-            else:
-                handle = PortReservation()
-                port = handle.port
+            port, bound, done = _pick(picker, per_process)
         except (RuntimeError, OSError):
             results.append(("no_port", None, None, None, None))
             continue
@@ -155,12 +182,10 @@ def worker(picker: str, trials: int, window: float, seed: int, out) -> None:
         except OSError as ex:
             outcome = "eaddrinuse" if ex.errno == errno.EADDRINUSE else "other"
         else:
+            bound()
             time.sleep(rng.uniform(0, window))  # the run
             store.close()
-        if picker == "per-process":
-            per_process.release(port)
-        elif handle is not None:
-            handle.close() if picker == "name-lease" else handle.release()
+        done()
         results.append((outcome, latency, port, start, time.monotonic()))
     out.put((os.getpid(), results))
 

@@ -13,10 +13,12 @@
 # limitations under the License.
 """The port Lightning picks for the rendezvous store: kept bound until the store binds it, on Linux.
 
-Every test uses real sockets, real ``TCPStore`` servers and, where processes matter, real processes.
+Every test uses real sockets, real ``TCPStore`` servers and, where processes matter, real processes. Runs of Fabric and
+the launchers are in ``test_port_manager_runs.py``.
 
 """
 
+import inspect
 import json
 import os
 import pickle
@@ -27,6 +29,7 @@ import sys
 import textwrap
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -38,20 +41,12 @@ from lightning.fabric.plugins.environments import LightningEnvironment, MPIEnvir
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities import port_manager
 from lightning.fabric.utilities.port_manager import PortReservation
+from tests_fabric.helpers.ports import bound_only_ports, held_here, plain_bind_succeeds
 
 _TORCH_GREATER_EQUAL_2_4 = Version(torch.__version__).release >= (2, 4)
 _LINUX = sys.platform.startswith("linux")
 linux_only = pytest.mark.skipif(not _LINUX, reason="ports are kept bound on Linux only")
-
-
-def _plain_bind_succeeds(port: int) -> bool:
-    """Whether a socket without ``SO_REUSEADDR`` can bind ``port``: false while anyone holds it."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
+_DOCS = Path(__file__).parents[3] / "docs" / "source-fabric" / "advanced" / "ports.rst"
 
 
 def _stores_bind(port: int) -> None:
@@ -74,15 +69,32 @@ def env(monkeypatch):
 
 
 @linux_only
-def test_picked_port_is_held_until_teardown_and_the_store_binds_it(env):
+def test_picked_port_is_held_until_the_store_binds_it(env):
     port = env.main_port
     assert env.main_port == port
+    assert held_here(port)
     # while held, no other socket is given the port: not bind(0), not a plain bind
-    assert not _plain_bind_succeeds(port)
+    assert not plain_bind_succeeds(port)
     assert port not in {find_free_network_port() for _ in range(300)}
     _stores_bind(port)
     env.teardown()
-    assert _plain_bind_succeeds(port)
+    assert not held_here(port)
+    assert plain_bind_succeeds(port)
+
+
+@linux_only
+def test_the_process_group_releases_the_port_once_its_store_is_up(env):
+    """``_init_dist_connection`` releases the hold after the store binds: Fabric never calls ``teardown``."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    port = env.main_port
+    _init_dist_connection(env, "gloo", global_rank=0, world_size=1)
+    try:
+        assert not held_here(port)
+        assert env.main_port == port  # the process group lives on it: later reads give the same port
+    finally:
+        torch.distributed.destroy_process_group()
+    assert plain_bind_succeeds(port)
 
 
 @linux_only
@@ -92,6 +104,38 @@ def test_held_port_is_not_given_to_other_processes(env):
     port = env.main_port
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert port not in json.loads(out)
+
+
+_FORK_CHILD = """
+import os, socket, time
+from lightning.fabric.plugins.environments import LightningEnvironment
+
+env = LightningEnvironment()
+port = env.main_port
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # a forked child, as a DataLoader worker is on Linux: it must not keep its parent's port
+    os.write(write, b"1" if held_here(port) else b"0")
+    time.sleep(60)
+in_child = os.read(read, 1).decode()
+env.teardown()  # while the child is still alive
+print(in_child, int(plain_bind_succeeds(port)), int(held_here(port)))
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+"""
+
+
+@linux_only
+def test_forked_children_do_not_keep_the_held_port():
+    helpers = "".join(inspect.getsource(f) + "\n" for f in (held_here, plain_bind_succeeds))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "STANDALONE_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-c", "import os, socket\n" + helpers + _FORK_CHILD], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    in_child, free_after_teardown, held_in_parent = result.stdout.split()
+    assert in_child == "0"
+    assert (free_after_teardown, held_in_parent) == ("1", "0")
 
 
 def test_user_port_is_used_as_given(monkeypatch):
@@ -108,14 +152,33 @@ def test_user_port_is_used_as_given(monkeypatch):
         assert find_free_network_port() == busy
 
 
-@pytest.mark.parametrize("value", ["1_000", "\uff12\uff19\uff15\uff10\uff10", "29500.0", "abc", "", "0", "65536", "-1"])
+@pytest.mark.parametrize(("value", "expected"), [("+29533", 29533), ("29_533", 29533), ("\uff12\uff19\uff15", 295)])
 @pytest.mark.parametrize("name", ["MASTER_PORT", "STANDALONE_PORT"])
-def test_port_variables_accept_only_ascii_port_numbers(monkeypatch, name, value):
-    """``int()`` accepted "1_000" and full-width digits; the error names the variable."""
+def test_port_variables_accept_what_int_accepts(monkeypatch, name, value, expected):
+    """As in stock Lightning (``int()``): the launchers write the number back as plain digits."""
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=f"Invalid {name}="):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert LightningEnvironment().main_port == expected
+
+
+@pytest.mark.parametrize("value", ["abc", "", "29500.0", "65536", "-1", "0x7530"])
+@pytest.mark.parametrize("name", ["MASTER_PORT", "STANDALONE_PORT"])
+def test_port_variables_that_cannot_work_raise_one_error_naming_the_variable(monkeypatch, name, value):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"^{name}={value!r} is not a port number: expected an integer from 0 to"):
         _ = LightningEnvironment().main_port
+
+
+def test_port_zero_warns_once(monkeypatch):
+    """The store binds a port of its own choosing: right for one process, so it works, with one warning."""
+    monkeypatch.setenv("MASTER_PORT", "0")
+    port_manager._warning_cache.clear()
+    with pytest.warns(UserWarning, match="MASTER_PORT=0: .* single process only") as record:
+        assert [LightningEnvironment().main_port for _ in range(3)] == [0, 0, 0]
+    assert len(record) == 1
 
 
 @linux_only
@@ -158,77 +221,14 @@ def test_reserved_ports_and_a_narrow_range_are_respected():
     assert json.loads(result.stdout.splitlines()[-1]) == [40008, 40009]
 
 
-_HOLD_AND_REPORT = textwrap.dedent(
-    """
-    import sys, warnings
-    from lightning.fabric.plugins.environments import LightningEnvironment
-    warnings.simplefilter("error")
-    env = LightningEnvironment()
-    print(env.main_port, flush=True)
-    sys.stdin.read()  # hold until the test is done
-    """
-)
-
-
-@linux_only
-def test_processes_with_private_temp_dirs_get_distinct_ports(tmp_path):
-    """Coordination does not depend on TMPDIR: the kernel's port table is shared by the network namespace."""
-    procs = []
-    for i in range(4):
-        tmpdir = tmp_path / f"tmp{i}"
-        tmpdir.mkdir()
-        env = {**os.environ, "TMPDIR": str(tmpdir)}
-        env.pop("MASTER_PORT", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", _HOLD_AND_REPORT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-            )
-        )
-    try:
-        ports = [int(p.stdout.readline()) for p in procs]
-    finally:
-        for p in procs:
-            p.communicate(b"")
-    assert all(p.returncode == 0 for p in procs)
-    assert len(set(ports)) == 4, ports
-    # nothing was written to disk, not even into the temp dirs
-    assert not [path for path in tmp_path.rglob("*") if path.is_file()]
-
-
-_SURVIVES_TMP_CLEANER = textwrap.dedent(
-    """
-    import os, shutil, tempfile, warnings
-    from lightning.fabric.plugins.environments import LightningEnvironment
-    warnings.simplefilter("error")
-    first = LightningEnvironment()
-    first.main_port
-    shutil.rmtree(os.environ["TMPDIR"])  # a tmp cleaner, or a per-job TMPDIR that is gone
-    second = LightningEnvironment()
-    assert second.main_port != first.main_port
-    print("ok")
-    """
-)
-
-
-def test_picking_a_port_never_depends_on_the_temp_dir(tmp_path):
-    """A removed, full or read-only temp dir never costs the run its port, and no warning is given."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
-    env.pop("MASTER_PORT", None)
-    result = subprocess.run([sys.executable, "-c", _SURVIVES_TMP_CLEANER], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
-
-
 @linux_only
 def test_copies_in_other_processes_hold_nothing(env):
     port = env.main_port
     copy = pickle.loads(pickle.dumps(env))
     assert copy.main_port == port
-    assert copy._port_reservation._socket is None
+    assert not copy._port_reservation.held
     copy.teardown()
-    assert not _plain_bind_succeeds(port)  # the original still holds it
+    assert held_here(port)  # the original still holds it
 
 
 def test_falls_back_to_the_old_behaviour_with_one_warning(monkeypatch, env):
@@ -243,7 +243,7 @@ def test_falls_back_to_the_old_behaviour_with_one_warning(monkeypatch, env):
     with pytest.warns(UserWarning, match="could not keep the port it picked reserved") as record:
         ports = [PortReservation().port for _ in range(3)]
     assert len(record) == 1
-    assert all(_plain_bind_succeeds(port) for port in ports)
+    assert all(plain_bind_succeeds(port) for port in ports)
 
 
 @linux_only
@@ -252,7 +252,7 @@ def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         port = env.main_port
-    assert not _plain_bind_succeeds(port)
+    assert held_here(port)
 
 
 def test_other_platforms_pick_as_before(monkeypatch):
@@ -260,84 +260,66 @@ def test_other_platforms_pick_as_before(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         reservation = PortReservation()
-    assert reservation._socket is None
-    assert _plain_bind_succeeds(reservation.port)
+    assert not reservation.held
+    assert plain_bind_succeeds(reservation.port)
+
+
+def _mpi_environment(rank, monkeypatch):
+    import lightning.fabric.plugins.environments.mpi as mpi
+
+    monkeypatch.setattr(mpi, "_MPI4PY_AVAILABLE", True)
+    with mock.patch.dict("sys.modules", {"mpi4py": mock.MagicMock()}):
+        env = MPIEnvironment()
+    env._comm_world.Get_rank.return_value = rank
+    env._comm_world.bcast.side_effect = lambda value, root: value if rank == 0 else 12345
+    return env
 
 
 @linux_only
-def test_mpi_rank_zero_holds_the_port(monkeypatch):
-    import lightning.fabric.plugins.environments.mpi as mpi
-
-    monkeypatch.setattr(mpi, "_MPI4PY_AVAILABLE", True)
-    for rank in (0, 1):
-        with mock.patch.dict("sys.modules", {"mpi4py": mock.MagicMock()}):
-            env = MPIEnvironment()
-        env._comm_world.Get_rank.return_value = rank
-        env._comm_world.bcast.side_effect = lambda value, root, rank=rank: value if rank == 0 else 12345
-        port = env.main_port
-        env._comm_world.bcast.assert_called_once()
-        if rank == 0:
-            assert env._port_reservation.port == port
-            assert not _plain_bind_succeeds(port)
-            _stores_bind(port)
-        else:
-            assert env._comm_world.bcast.call_args.args[0] is None
-            assert env._port_reservation is None
-            assert port == 12345
+def test_mpi_rank_zero_holds_the_port_until_teardown(monkeypatch):
+    monkeypatch.delenv("STANDALONE_PORT", raising=False)
+    env = _mpi_environment(0, monkeypatch)
+    port = env.main_port
+    env._comm_world.bcast.assert_called_once()
+    assert held_here(port)
+    _stores_bind(port)
+    env.teardown()
+    assert not held_here(port)
+    other = _mpi_environment(1, monkeypatch)
+    assert other.main_port == 12345
+    assert other._comm_world.bcast.call_args.args[0] is None  # only rank 0 picks
 
 
 def test_mpi_rank_zero_uses_standalone_port_as_given(monkeypatch):
-    import lightning.fabric.plugins.environments.mpi as mpi
-
-    monkeypatch.setattr(mpi, "_MPI4PY_AVAILABLE", True)
     monkeypatch.setenv("STANDALONE_PORT", "12321")
-    with mock.patch.dict("sys.modules", {"mpi4py": mock.MagicMock()}):
-        env = MPIEnvironment()
-    env._comm_world.Get_rank.return_value = 0
-    env._comm_world.bcast.side_effect = lambda value, root: value
+    env = _mpi_environment(0, monkeypatch)
     assert env.main_port == 12321
     assert env._port_reservation is None
 
 
-_DDP_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch
-    from lightning.fabric import Fabric
-
-    def run(fabric):
-        env = fabric.strategy.cluster_environment
-        total = fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum")
-        result = {"sum": total.item(), "port": env.main_port, "master_port": int(os.environ["MASTER_PORT"])}
-        with open(os.path.join(sys.argv[1], f"rank{fabric.global_rank}.json"), "w") as f:
-            json.dump(result, f)
-        # as torch asks: without it, gloo's threads can abort the exit ("terminate called without an active exception")
-        torch.distributed.destroy_process_group()
-
-    if __name__ == "__main__":
-        fabric = Fabric(strategy=sys.argv[2], devices=2, accelerator="cpu")
-        fabric.launch(run)
-        if fabric.global_rank == 0:
-            reservation = fabric.strategy.cluster_environment._port_reservation
-            print("held", reservation is not None and reservation._socket is not None, flush=True)
-    """
-)
-
-
 @linux_only
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ddp_runs_on_the_held_port(tmp_path, strategy):
-    """Two CPU processes (gloo): rank 0's store binds the port the launcher holds; spawned copies hold nothing."""
-    script = tmp_path / "train.py"
-    script.write_text(_DDP_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), strategy], env=env, capture_output=True, text=True, timeout=200
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["sum"] for r in results] == [3.0, 3.0]
-    assert results[0]["port"] == results[0]["master_port"] == results[1]["master_port"]
-    if strategy == "ddp":  # the launcher process is rank 0 and holds the port through the run
-        assert "held True" in result.stdout
+def test_the_docs_say_how_to_see_a_held_port(env):
+    """It is bound, not listening: the usual tools do not list it. What the docs offer instead must work."""
+    port = env.main_port
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # what lsof -iTCP and netstat read
+        with open(table) as f:
+            assert f":{port:04X} " not in f.read()
+    if shutil.which("ss"):
+        assert f":{port} " not in subprocess.run(["ss", "-tan"], capture_output=True, text=True).stdout
+    assert not plain_bind_succeeds(port)
+    docs = _DOCS.read_text()
+    assert "``ss -tanpB`` (``--bound-inactive``)" in docs
+    assert "a plain bind of the port fails with ``EADDRINUSE`` while it is held" in docs
+    with socket.socket() as bound_only:  # does this kernel report bound-only sockets to `ss --bound-inactive`?
+        bound_only.bind(("127.0.0.1", 0))
+        if bound_only.getsockname()[1] not in bound_only_ports():
+            pytest.skip("this kernel does not report bound-only sockets")
+    assert port in bound_only_ports()
+
+
+def test_find_free_network_port_holds_nothing_and_the_docs_say_who_is_exposed():
+    """Holding it would make callers that bind the number without ``SO_REUSEADDR`` fail: it stays as it was."""
+    assert plain_bind_succeeds(find_free_network_port())
+    docs = " ".join(_DOCS.read_text().split())
+    assert "such as Lightning's own ``single_process_pg`` test fixture" in docs
+    assert "a held socket makes every later bind of that port without ``SO_REUSEADDR`` fail" in docs

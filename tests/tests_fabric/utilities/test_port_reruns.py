@@ -11,274 +11,243 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The port-conflict rerun plugin, run the way suites use it: pytest in a subprocess, real sockets and TCPStore."""
+"""The port-conflict rerun plugin's rule, run the way suites use it: pytest in a subprocess, real ``TCPStore`` s.
 
-import json
-import os
-import re
+Each suite runs twice, with and without the plugin: everything but the reruns of port conflicts must be the same.
+
+"""
+
 import socket
-import subprocess
-import sys
-import textwrap
 from datetime import timedelta
 
 import pytest
 from lightning_utilities.core.imports import RequirementCache
 from torch.distributed import TCPStore
 
-from lightning.fabric.utilities.testing.port_reruns import _is_port_conflict
+from lightning.fabric.utilities.testing.port_reruns import is_port_conflict
+from tests_fabric.helpers.inner_pytest import REGISTER, run_pytest
 
-#: 16.7 matches ``only_rerun`` against the exception chain and has ``--reruns-mode`` and an ``only_rerun`` ini key
-_RERUNFAILURES_16_7 = RequirementCache("pytest-rerunfailures>=16.7")
+_XDIST = RequirementCache("pytest-xdist")
+_RERUNFAILURES = RequirementCache("pytest-rerunfailures")
 
-_CONFTEST = textwrap.dedent(
-    """
-    import json, os
-    from lightning.fabric.utilities.testing import port_reruns
+#: tests that never lose a port: every way a test can end, an xfail that raises EADDRINUSE included
+_KEEP_PORTS = """
+    import pytest
 
-    def pytest_configure(config):
-        port_reruns.register(config)
+    @pytest.fixture
+    def broken():
+        raise ValueError("a fixture bug")
 
-    def pytest_runtest_logreport(report):
-        # what pytest-xdist sends to its controller: the report and its user properties
-        with open(os.path.join(os.environ["OUT"], "properties.jsonl"), "a") as f:
-            f.write(json.dumps([report.when, report.outcome, report.user_properties]) + "\\n")
-    """
-)
+    def test_passes():
+        pass
 
-_CONFLICT = textwrap.dedent(
-    """
-    import socket
-    from datetime import timedelta
-    from torch.distributed import TCPStore
+    def test_fails():
+        assert attempt("fails") == 0
 
-    def store_on_busy_port():
-        with socket.socket() as listener:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(1)
-            TCPStore("127.0.0.1", listener.getsockname()[1], 1, True, timeout=timedelta(seconds=5))
-    """
-)
-
-
-def _run(tmp_path, test_source, *args, env=None, conftest=_CONFTEST, ini=None):
-    # the inner suite's own ini file makes `tmp_path` its rootdir, wherever the temp dir is (nox puts it inside the
-    # repository, whose pyproject.toml would otherwise be the rootdir and prefix every node id)
-    (tmp_path / "pytest.ini").write_text(ini or "[pytest]\n")
-    (tmp_path / "conftest.py").write_text(conftest)
-    (tmp_path / "conflict.py").write_text(_CONFLICT)
-    (tmp_path / "test_inner.py").write_text(textwrap.dedent(test_source))
-    run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PL_PORT_CONFLICT_RERUNS")}
-    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    run_env.update(OUT=str(tmp_path), PYTHONPATH=python_path, **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, str(tmp_path)],
-        cwd=tmp_path,
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-
-
-def _outcome(result):
-    summary = result.stdout.strip().splitlines()[-1]
-    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|rerun)", summary)}
-
-
-_FAIL_ONCE = """
-    import os
-    from conflict import store_on_busy_port
-
-    def test_flaky():
-        attempts = os.path.join(os.environ["OUT"], "attempts")
-        with open(attempts, "a") as f:
-            f.write("x")
-        n = len(open(attempts).read())
-        if n == 1:
-            raise ConnectionResetError("the peer went away")
-        if n == 2:
-            store_on_busy_port()
-"""
-
-
-_MIXED = """
-    import os
-    from conflict import store_on_busy_port
-
-    def attempt(name):
-        with open(os.path.join(os.environ["OUT"], f"attempts-{name}"), "a") as f:
-            f.write("x")
-        return len(open(os.path.join(os.environ["OUT"], f"attempts-{name}")).read())
-
-    def test_assert_twice():
-        assert attempt("assert_twice") > 2
-
-    def test_timeout_once():
-        if attempt("timeout_once") == 1:
+    def test_fails_once():
+        if attempt("fails_once") == 1:
             raise TimeoutError("rendezvous timed out")
 
-    def test_port_once():
-        if attempt("port_once") == 1:
-            store_on_busy_port()
+    def test_fixture_error(broken):
+        pass
 
-    def test_always_fails():
-        attempt("always_fails")
-        raise ValueError("a real bug")
+    @pytest.mark.xfail(raises=RuntimeError)
+    def test_xfail_on_a_taken_port():
+        store_on_busy_port()
+
+    @pytest.mark.skip(reason="not today")
+    def test_skipped():
+        pass
 """
-_NEW_RERUNFAILURES = pytest.mark.skipif(not _RERUNFAILURES_16_7, reason="options of pytest-rerunfailures 16.7")
-
-
-@pytest.mark.parametrize(
-    ("args", "ini", "expected"),
-    [
-        # no rerun settings of the suite's own: only the port conflict is rerun, with the plugin's count
-        ([], None, {"assert_twice": 1, "timeout_once": 1, "port_once": 2, "always_fails": 1}),
-        # the suite reruns every failure once: that stays so, port conflicts included
-        (["--reruns", "1"], None, {"assert_twice": 2, "timeout_once": 2, "port_once": 2, "always_fails": 2}),
-        # the suite reruns assertion failures once: its count and pattern are kept, port conflicts are added
-        (
-            ["--reruns", "1", "--only-rerun", "AssertionError"],
-            None,
-            {"assert_twice": 2, "timeout_once": 1, "port_once": 2, "always_fails": 1},
-        ),
-        pytest.param(
-            ["--reruns", "1", "--reruns-mode", "append"],
-            None,
-            {"assert_twice": 2, "timeout_once": 2, "port_once": 2, "always_fails": 2},
-            marks=_NEW_RERUNFAILURES,
-        ),
-        pytest.param(
-            ["--reruns-mode", "append"],
-            None,
-            {"assert_twice": 1, "timeout_once": 1, "port_once": 2, "always_fails": 1},
-            marks=_NEW_RERUNFAILURES,
-        ),
-        pytest.param(
-            [],
-            "[pytest]\nreruns = 1\nonly_rerun = TimeoutError\n",
-            {"assert_twice": 1, "timeout_once": 2, "port_once": 2, "always_fails": 1},
-            marks=_NEW_RERUNFAILURES,
-        ),
-    ],
-    ids=["none", "reruns", "only-rerun", "append", "append-no-reruns", "ini-only-rerun"],
-)
-def test_suite_rerun_settings_stay_in_force_for_other_failures(tmp_path, args, ini, expected):
-    result = _run(tmp_path, _MIXED, *args, ini=ini)
-    attempts = {name: len((tmp_path / f"attempts-{name}").read_text()) for name in expected}
-    assert attempts == expected, result.stdout[-3000:]
-
-
-_WRAPPED = """
-    import os, socket
-
-    def test_wrapped_conflict():
-        attempts = os.path.join(os.environ["OUT"], "attempts")
-        with open(attempts, "a") as f:
-            f.write("x")
-        if len(open(attempts).read()) == 1:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", 0))
-                a.listen(1)
-                try:
-                    b.bind(("127.0.0.1", a.getsockname()[1]))
-                except OSError as ex:
-                    raise RuntimeError("failed to initialize the process group") from ex
+_FLAKY = """
+    @pytest.mark.flaky(reruns=1)
+    def test_flaky_marker():
+        assert attempt("flaky_marker") > 1
 """
-
-
-def test_wrapped_conflict_is_reported_only_where_it_is_rerun(tmp_path):
-    """pytest-rerunfailures matches the exception chain from 16.7 on, only the raised exception below."""
-    result = _run(tmp_path, _WRAPPED)
-    expected = {"passed": 1, "rerun": 1} if _RERUNFAILURES_16_7 else {"failed": 1}
-    assert _outcome(result) == expected, result.stdout[-3000:]
-    assert ("port conflicts" in result.stdout) == bool(_RERUNFAILURES_16_7)
-
-
-_END_TO_END = """
-    import os, subprocess, sys
-    from conflict import store_on_busy_port
-
-    def test_store_on_taken_port():
-        out = os.environ["OUT"]
-        first = not os.path.exists(os.path.join(out, "pids"))
-        if first:
-            sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
-            launcher_child = subprocess.Popen(sleep, env={**os.environ, "LOCAL_RANK": "1"})
-            helper = subprocess.Popen(sleep)  # started by the test too, but not a launcher child
-            with open(os.path.join(out, "pids"), "w") as f:
-                f.write(f"{launcher_child.pid} {helper.pid}")
-            os.environ["MASTER_PORT"] = "1"
-            store_on_busy_port()
-        assert "MASTER_PORT" not in os.environ  # put back as it was before the failed attempt
+_CRASH = """
+    def test_worker_crashes_once():
+        if attempt("crashes_once") == 1:
+            os._exit(1)
 """
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+_no_xdist = pytest.mark.skipif(not _XDIST, reason="needs pytest-xdist")
+_no_rerunfailures = pytest.mark.skipif(not _RERUNFAILURES, reason="needs pytest-rerunfailures")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(sys.platform != "linux", reason="launcher children are found through /proc")
-def test_port_conflict_is_rerun_after_cleaning_up_the_failed_attempt(tmp_path):
-    result = _run(tmp_path, _END_TO_END)
-    launcher_child, helper = (int(pid) for pid in (tmp_path / "pids").read_text().split())
-    try:
-        assert _outcome(result) == {"passed": 1, "rerun": 1}, result.stdout[-3000:]
-        assert not _alive(launcher_child)
-        assert _alive(helper)
-    finally:
-        os.kill(helper, 9)
-    assert "port conflicts" in result.stdout
-    assert "test_inner.py::test_store_on_taken_port: EADDRINUSE" in result.stdout
-    reports = [json.loads(line) for line in (tmp_path / "properties.jsonl").read_text().splitlines()]
-    call_reports = [(outcome, props) for when, outcome, props in reports if when == "call"]
-    assert call_reports == [("rerun", [["port_conflict", "test_inner.py::test_store_on_taken_port"]]), ("passed", [])]
+@pytest.mark.parametrize(
+    ("args", "ini", "suite", "stdin"),
+    [
+        pytest.param([], "", _KEEP_PORTS + _FLAKY, "", id="defaults"),
+        pytest.param(["-x"], "", _KEEP_PORTS, "", id="-x"),
+        pytest.param(["--maxfail", "2"], "", _KEEP_PORTS, "", id="--maxfail"),
+        # a debugger session (pytest-rerunfailures refuses --pdb with a flaky marker: left out)
+        pytest.param(["--pdb"], "", _KEEP_PORTS, "c\n" * 20, id="--pdb"),
+        pytest.param(["--trace"], "", _KEEP_PORTS, "c\n" * 40, id="--trace"),
+        pytest.param(["--reruns", "1"], "", _KEEP_PORTS + _FLAKY, "", marks=_no_rerunfailures, id="--reruns"),
+        pytest.param(
+            ["--reruns", "2", "--only-rerun", "TimeoutError"], "", _KEEP_PORTS, "", marks=_no_rerunfailures, id="only"
+        ),
+        pytest.param([], "reruns = 1\n", _KEEP_PORTS + _FLAKY, "", marks=_no_rerunfailures, id="ini-reruns"),
+        pytest.param(["-p", "no:rerunfailures"], "", _KEEP_PORTS, "", id="no-rerunfailures"),
+        # a worker that crashes is xdist's and the suite's business: failed without reruns, rerun with them
+        pytest.param(["-n", "2"], "", _KEEP_PORTS + _FLAKY + _CRASH, "", marks=_no_xdist, id="xdist"),
+        pytest.param(
+            ["-n", "2", "--reruns", "1"], "", _KEEP_PORTS + _CRASH, "", marks=[_no_xdist, _no_rerunfailures], id="xd-r"
+        ),
+    ],
+)
+def test_nothing_changes_for_tests_that_keep_their_port(tmp_path, args, ini, suite, stdin):
+    runs = {
+        plugin: run_pytest(tmp_path / plugin, suite, *args, conftest=conftest, ini=ini, stdin=stdin)
+        for plugin, conftest in (("without", ""), ("with", REGISTER))
+    }
+    without, with_plugin = runs["without"], runs["with"]
+    assert with_plugin.outcomes() == without.outcomes(), with_plugin.result.stdout[-3000:]
+    assert with_plugin.attempts() == without.attempts()
+    assert with_plugin.result.returncode == without.result.returncode, with_plugin.result.stdout[-3000:]
+    assert without.outcomes(), without.result.stdout[-3000:]  # the suite ran
 
 
-_ALWAYS_CONFLICT = """
-    from conflict import store_on_busy_port
+@pytest.mark.timeout(300)
+def test_last_failed_selects_the_same_tests(tmp_path):
+    for plugin, conftest in (("without", ""), ("with", REGISTER)):
+        run_pytest(tmp_path / plugin, _KEEP_PORTS, conftest=conftest, cache=True)
+    lf = {
+        plugin: run_pytest(tmp_path / plugin, _KEEP_PORTS, "--lf", conftest=c, cache=True)
+        for plugin, c in (("without", ""), ("with", REGISTER))
+    }
+    assert lf["with"].outcomes() == lf["without"].outcomes()
+    assert {test for test, _, _ in lf["with"].outcomes()} == {
+        "test_inner.py::test_fails",
+        "test_inner.py::test_fails_once",
+        "test_inner.py::test_fixture_error",
+    }
 
-    def test_conflict():
+
+_LOSES_PORT_ONCE = """
+    def test_loses_its_port_once():
+        if attempt("loses_port_once") == 1:
+            store_on_busy_port()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("args", "conftest"),
+    [
+        ([], REGISTER),
+        (["-p", "lightning.fabric.utilities.testing.port_reruns"], ""),
+        ([], "pytest_plugins = ['lightning.fabric.utilities.testing.port_reruns']\n"),
+        (["-p", "lightning.fabric.utilities.testing.port_reruns"], REGISTER),  # both ways: registered once
+    ],
+    ids=["register", "-p", "pytest_plugins", "both"],
+)
+def test_a_test_that_lost_its_port_is_rerun(tmp_path, args, conftest):
+    run = run_pytest(tmp_path, _LOSES_PORT_ONCE, *args, conftest=conftest)
+    test = "test_inner.py::test_loses_its_port_once"
+    phases = [(test, "setup", "passed"), (test, "call", "rerun"), (test, "teardown", "passed")]
+    assert run.outcomes() == [*phases, *((test, when, "passed") for _, when, _ in phases)], run.result.stdout[-3000:]
+    assert run.result.returncode == 0
+    assert "rerun after a port conflict" in run.result.stdout
+    assert f"{test} (call): torch.distributed.DistNetworkError" in run.result.stdout
+    assert "1 passed, 1 rerun" in run.result.stdout
+
+
+@_no_xdist
+@pytest.mark.timeout(300)
+def test_a_test_that_lost_its_port_is_rerun_under_xdist(tmp_path):
+    run = run_pytest(tmp_path, _LOSES_PORT_ONCE + _KEEP_PORTS, "-n", "2")
+    assert run.attempts()["loses_port_once"] == 2
+    assert ("test_inner.py::test_loses_its_port_once", "call", "rerun") in run.outcomes()
+    assert "test_inner.py::test_loses_its_port_once (call): torch.distributed.DistNetworkError" in run.result.stdout
+
+
+_SUITE_RERUNS_IT = """
+    import pytest
+
+    @pytest.mark.flaky(reruns=1, only_rerun=["TimeoutError"])
+    def test_flaky_marker_loses_its_port():
+        attempt("flaky_marker")
+        store_on_busy_port()
+
+    def test_loses_its_port():
+        attempt("plain")
         store_on_busy_port()
 """
 
 
-@pytest.mark.parametrize(("reruns", "expected"), [("0", {"failed": 1}), ("1", {"failed": 1, "rerun": 1})])
-def test_number_of_reruns_from_the_environment_when_registered_from_a_conftest(tmp_path, reruns, expected):
-    result = _run(tmp_path, _ALWAYS_CONFLICT, env={"PL_PORT_CONFLICT_RERUNS": reruns})
-    assert _outcome(result) == expected, result.stdout[-3000:]
+@_no_rerunfailures
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("args", [[], ["--reruns", "1", "--only-rerun", "AssertionError"]], ids=["marker", "suite"])
+def test_tests_the_suite_reruns_itself_are_left_to_its_settings(tmp_path, args):
+    """pytest-rerunfailures decides alone for a test it reruns, port conflicts included."""
+    without = run_pytest(tmp_path / "without", _SUITE_RERUNS_IT, *args, conftest="")
+    with_plugin = run_pytest(tmp_path / "with", _SUITE_RERUNS_IT, *args)
+    assert with_plugin.attempts()["flaky_marker"] == without.attempts()["flaky_marker"] == 1
+    expected_plain = 1 if args else 3  # --reruns: rerunfailures' test; otherwise this plugin's, 2 reruns
+    assert with_plugin.attempts()["plain"] == expected_plain
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("reruns", "attempts"), [("0", 1), ("1", 2), ("3", 4)])
+def test_number_of_reruns_from_the_environment(tmp_path, reruns, attempts):
+    run = run_pytest(tmp_path, _SUITE_RERUNS_IT, "-k", "test_loses_its_port", env={"PL_PORT_CONFLICT_RERUNS": reruns})
+    assert run.attempts() == {"plain": attempts}
+    assert run.result.returncode == 1
 
 
 def test_invalid_number_of_reruns_is_a_usage_error(tmp_path):
-    result = _run(tmp_path, _ALWAYS_CONFLICT, env={"PL_PORT_CONFLICT_RERUNS": "\uff12"})
-    assert result.returncode == 4
-    assert "PL_PORT_CONFLICT_RERUNS='\uff12'" in result.stderr
+    run = run_pytest(tmp_path, _LOSES_PORT_ONCE, env={"PL_PORT_CONFLICT_RERUNS": "\uff12"})
+    assert run.result.returncode == 4
+    assert "PL_PORT_CONFLICT_RERUNS='\uff12': expected a number of reruns" in run.result.stderr
 
 
-_TOO_OLD = _CONFTEST.replace(
-    "def pytest_configure(config):", "def pytest_configure(config):\n    _pretend_too_old()", 1
-) + textwrap.dedent(
-    """
-        def _pretend_too_old():
-            from lightning_utilities.core.imports import RequirementCache
-            port_reruns._RERUNFAILURES_12 = RequirementCache("pytest-rerunfailures>=999")
-        """
-)
+_SCOPES = """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def module_resource():
+        attempt("module_setup")
+        yield
+
+    def test_first(module_resource):
+        if attempt("first") == 1:
+            store_on_busy_port()
+
+    def test_last(module_resource):
+        if attempt("last") == 1:
+            store_on_busy_port()
+"""
 
 
+@pytest.mark.timeout(300)
+def test_a_rerun_runs_as_if_the_test_came_next(tmp_path):
+    """Fixtures the next test shares are kept for the rerun; the last test's module fixture is set up again."""
+    run = run_pytest(tmp_path, _SCOPES)
+    assert run.attempts() == {"module_setup": 2, "first": 2, "last": 2}, run.result.stdout[-3000:]
+    assert run.result.returncode == 0
+
+
+_TIMED = """
+    import time
+
+    def test_loses_its_port_then_hangs():
+        if attempt("hangs") == 1:
+            store_on_busy_port()
+        time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("args", "conftest"), [(["-p", "no:rerunfailures"], _CONFTEST), ([], _TOO_OLD)], ids=["disabled", "too-old"]
+    ("args", "conftest"), [([], REGISTER), (["-p", "lightning.fabric.utilities.testing.port_reruns"], "")]
 )
-def test_warns_and_marks_nothing_without_a_usable_pytest_rerunfailures(tmp_path, args, conftest):
-    """Below 12, the ``flaky`` marker has no ``only_rerun``: marking would rerun every failure."""
-    result = _run(tmp_path, _FAIL_ONCE, *args, conftest=conftest)
-    assert "cannot rerun tests that hit a port conflict: it needs pytest-rerunfailures>=12" in result.stdout
-    assert _outcome(result) == {"failed": 1}, result.stdout[-3000:]
+def test_a_rerun_is_timed_as_any_attempt(tmp_path, args, conftest):
+    """The rerun goes through every hook of the protocol again: pytest-timeout's timer stops a hanging rerun."""
+    run = run_pytest(tmp_path, _TIMED, *args, "--timeout", "3", "--timeout-method", "signal", conftest=conftest)
+    assert run.attempts() == {"hangs": 2}
+    assert "1 failed, 1 rerun" in run.result.stdout, run.result.stdout[-3000:]
+    assert "Failed: Timeout" in run.result.stdout
 
 
 def _store_error():
@@ -294,18 +263,19 @@ def _store_error():
 
 def test_recognizes_real_port_conflicts_only():
     store_error = _store_error()
-    assert _is_port_conflict(store_error)
+    assert is_port_conflict(store_error)
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", 0))
         a.listen(1)
         with pytest.raises(OSError, match="in use") as bind_error:
             b.bind(("127.0.0.1", a.getsockname()[1]))
-    assert _is_port_conflict(bind_error.value)
+    assert is_port_conflict(bind_error.value)
     wrapped = RuntimeError("launch failed")
     wrapped.__cause__ = store_error
-    assert _is_port_conflict(wrapped) == bool(_RERUNFAILURES_16_7)
-    assert not _is_port_conflict(RuntimeError("rendezvous timed out"))
-    assert not _is_port_conflict(AssertionError(f"unexpected: {store_error}"))
+    assert is_port_conflict(wrapped)
+    assert not is_port_conflict(RuntimeError("rendezvous timed out"))
+    assert not is_port_conflict(ConnectionRefusedError(111, "Connection refused"))
+    assert not is_port_conflict(AssertionError(f"unexpected: {store_error}"))
     suppressed = RuntimeError("other")
     suppressed.__context__, suppressed.__suppress_context__ = store_error, True
-    assert not _is_port_conflict(suppressed)
+    assert not is_port_conflict(suppressed)

@@ -23,10 +23,19 @@ bind and listen on a port that non-listening sockets with it hold. Elsewhere (ma
 options for that, and they would let other programs share the port too) the socket is closed at once: the port is
 picked exactly as before.
 
+The hold ends as soon as it is no longer needed: when the store is up in the holding process
+(:func:`release_port`, called once the process group is initialized), when the processes started for the port have
+exited (:func:`launching_on_port`), at the environment's ``teardown()``, or when the reservation is garbage collected.
+A forked child never holds its parent's port.
+
 """
 
+import os
 import socket
 import sys
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 from lightning.fabric.utilities.rank_zero import WarningCache
@@ -35,55 +44,125 @@ _warning_cache = WarningCache()
 
 
 def parse_port(value: str, name: str) -> int:
-    """Parse a TCP port number from an environment variable, accepting only ASCII digits.
+    """Read a port number from the environment variable ``name`` the way Lightning always has, with ``int()``.
+
+    ``0`` makes the store bind a free port of its own choosing, which other processes cannot know: it works for a
+    single process only, and warns once.
 
     Raises:
-        ValueError: If ``value`` is not an integer between 1 and 65535.
+        ValueError: If ``value`` is not an integer from 0 to 65535.
 
     """
-    value = value.strip()
-    if not (value.isascii() and value.isdigit() and 0 < int(value) < 65536):
-        raise ValueError(f"Invalid {name}={value!r}: expected a port number, an integer between 1 and 65535.")
-    return int(value)
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name}={value!r} is not a port number: expected an integer from 0 to 65535.")
+    if port == 0:
+        _warning_cache.warn(
+            f"{name}=0: the rendezvous store binds a free port of its own choosing, which other processes cannot"
+            f" know. This works for a single process only; set {name} to a port number, or unset it for Lightning"
+            " to pick one."
+        )
+    return port
 
 
 class PortReservation:
     """A free TCP port, chosen by the operating system and kept bound by this process until :meth:`release`.
 
-    Copies in other processes (pickled to spawned processes) hold nothing.
+    Copies in other processes (pickled to spawned processes, inherited by forked ones) hold nothing.
 
     """
 
     def __init__(self) -> None:
-        self._socket: Optional[socket.socket] = None  # set first: `__del__` runs even if the next line raises
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # bound without SO_REUSEADDR: the kernel picks a port with no socket on it at all, as before
-        self._socket.bind(("", 0))
-        self.port: int = self._socket.getsockname()[1]
-        if not sys.platform.startswith("linux"):
-            self.release()
-            return
+        self._socket: Optional[socket.socket] = None
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            _bind_like_tcp_store(self.port)
-        except OSError as ex:
-            self.release()
-            _warning_cache.warn(
-                f"Lightning could not keep the port it picked reserved until the rendezvous store binds it ({ex})."
-                " Another process may take the port meanwhile, as it could before Lightning reserved ports."
-            )
+            # bound without SO_REUSEADDR: the kernel picks a port with no socket on it at all, as before
+            sock.bind(("", 0))
+            self.port: int = sock.getsockname()[1]
+            if sys.platform.startswith("linux") and _store_can_bind_next_to(sock, self.port):
+                self._socket = sock
+                _held.add(self)
+        finally:
+            if self._socket is None:
+                sock.close()
+
+    @property
+    def held(self) -> bool:
+        """Whether this process still keeps the port bound."""
+        return self._socket is not None
 
     def release(self) -> None:
         """Close the socket; the port can be given to others again."""
         sock, self._socket = self._socket, None
+        _held.discard(self)
         if sock is not None:
             sock.close()
 
     def __del__(self) -> None:
-        self.release()
+        if self._socket is not None:  # the weak set forgets it by itself
+            self._socket.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"port": self.port, "_socket": None}
+
+
+# The reservations this process holds, by weak reference (each is owned by the cluster environment that picked the
+# port): the port is released by number once its store is up, and forked children close their copies of the sockets.
+_held: "weakref.WeakSet[PortReservation]" = weakref.WeakSet()
+
+
+def release_port(port: int) -> None:
+    """Stop holding ``port`` if this process holds it: its store is bound, or the processes that used it are gone."""
+    for reservation in list(_held):
+        if reservation.port == port:
+            reservation.release()
+
+
+@contextmanager
+def launching_on_port(port: int) -> Iterator[None]:
+    """Set ``MASTER_PORT`` for the processes a launcher starts in the block, and undo it when the block ends.
+
+    When the block ends (the processes have exited), this process stops holding the port and ``MASTER_PORT`` is put
+    back as it was, so that the next launch picks and holds a port of its own instead of reusing this one unheld.
+
+    """
+    previous = os.environ.get("MASTER_PORT")
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        yield
+    finally:
+        release_port(port)
+        if previous is None:
+            os.environ.pop("MASTER_PORT", None)
+        else:
+            os.environ["MASTER_PORT"] = previous
+
+
+def _close_in_forked_child() -> None:
+    # closes the child's copies of the file descriptors only: the parent keeps holding its ports
+    for reservation in list(_held):
+        reservation.release()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_close_in_forked_child)
+
+
+def _store_can_bind_next_to(sock: socket.socket, port: int) -> bool:
+    """Set ``SO_REUSEADDR`` on ``sock`` and check that a store can bind and listen on ``port`` next to it."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _bind_like_tcp_store(port)
+    except OSError as ex:
+        _warning_cache.warn(
+            f"Lightning could not keep the port it picked reserved until the rendezvous store binds it ({ex})."
+            " Another process may take the port meanwhile, as it could before Lightning reserved ports."
+        )
+        return False
+    return True
 
 
 def _bind_like_tcp_store(port: int) -> None:

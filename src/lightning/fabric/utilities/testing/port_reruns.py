@@ -11,140 +11,212 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""A pytest plugin that reruns tests which failed because a network port was taken (``EADDRINUSE``).
+"""A pytest plugin that reruns a test which failed because a network port it needed was taken (``EADDRINUSE``).
 
-Enable it with ``port_reruns.register(config)`` in ``pytest_configure(config)`` of any ``conftest.py``; it needs
-pytest-rerunfailures 12 or newer. The suite's rerun settings stay in force for other failures: if it reruns all
-failures, port conflicts are rerun with them. Otherwise tests without a ``flaky`` marker get one that reruns port
-conflicts (from 16.7 on anywhere in the exception chain) up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0``
-turns it off), or, if the suite reruns ``only_rerun`` patterns, its count and patterns plus port conflicts. Before a
-rerun, the failed attempt's launcher children (started during it with ``LOCAL_RANK`` set; Linux) get SIGKILL, the
-process group is destroyed and ``MASTER_PORT`` is put back. Conflicts go into the report's ``user_properties`` as
-``("port_conflict", nodeid)``, which reach the pytest-xdist controller, and into the terminal summary.
+Enable it with ``-p lightning.fabric.utilities.testing.port_reruns``, with ``pytest_plugins`` in a ``conftest.py``, or
+with ``port_reruns.register(config)`` in ``pytest_configure(config)`` of a ``conftest.py``; ``-p no:<this module>``
+disables it.
+
+The rule: a test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0`` turns reruns off), when its
+setup or call failed with a port conflict: the exception, or one it was raised from or while handling, is an
+``OSError`` with ``errno`` ``EADDRINUSE``, or any exception but an ``AssertionError`` whose message says
+``EADDRINUSE`` or "address already in use" (``TCPStore``'s ``DistNetworkError``, gloo's errors). The rerun is
+pytest's own protocol run again, as if the test came next: fixtures that the next test would share stay set up,
+those that pytest tore down after the failed attempt (it was their last test) are set up again, and a wider-scoped
+fixture that failed keeps its error for its scope, as pytest keeps it. Nothing else is changed, and nothing at all
+when:
+
+* ``--pdb`` or ``--trace`` is given: a debugging session sees every failure as it is;
+* the test is one that pytest-rerunfailures reruns (a ``flaky`` marker, or ``--reruns``, ``--force-reruns`` or the
+  ``reruns`` ini option above 0): the suite's own rerun settings decide alone, for port conflicts too.
+
+A worker that crashes under pytest-xdist is not a port conflict: it is left to xdist and the suite's settings. Before
+a rerun, the failed attempt is cleaned up, only as far as the test function itself left it: the processes of
+Lightning's subprocess launchers that it started and that still run get ``SIGKILL`` (through the launcher's own
+``Popen`` objects), a default process group it initialized is destroyed, and environment variables it changed, and
+that its teardown did not change again, are put back. Reruns are reported as ``rerun`` (``R``), and listed at the end
+of the session, with pytest-xdist too.
 
 """
 
-import contextlib
+import errno
 import os
-import re
-import signal
-import time
-from collections.abc import Callable, Generator
-from typing import Any
+import sys
+import threading
+from collections.abc import Generator
+from typing import Any, Optional
 
 import pytest
-from lightning_utilities.core.imports import RequirementCache
 
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
-
-#: Matches ``"<ExceptionType>: <message>"`` of a port conflict on Linux, macOS and Windows; never a failed ``assert``.
-PORT_CONFLICT_PATTERN = (
-    r"(?is)^(?!AssertionError: ).*(?:EADDRINUSE|address already in use|only one usage of each socket address)"
-)
-_NAME = "lightning_port_reruns"
 _ENV = "PL_PORT_CONFLICT_RERUNS"
-_RERUNFAILURES_12 = RequirementCache("pytest-rerunfailures>=12")
-_RERUNFAILURES_CHAINS = RequirementCache("pytest-rerunfailures>=16.7")  # ``only_rerun`` matches the whole chain
-_attempt_key = pytest.StashKey[tuple[float, Any]]()
+_PROPERTY = "port_conflict"  # the user property that marks this plugin's reruns; it reaches xdist's controller
+_MESSAGES = ("eaddrinuse", "address already in use", "only one usage of each socket address")  # Linux, macOS, Windows
+_EADDRINUSE = {errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", errno.EADDRINUSE)}
+_reruns_key = pytest.StashKey[int]()
+_attempt_key = pytest.StashKey["_Attempt"]()
+_reruns_done_key = pytest.StashKey[int]()
 
 
 def register(config: pytest.Config) -> None:
     """Enable the plugin from ``pytest_configure(config)`` of any ``conftest.py``; registering twice is a no-op."""
-    if not config.pluginmanager.has_plugin(_NAME):
-        config.pluginmanager.register(_PortConflictReruns(config), _NAME)
+    module = sys.modules[__name__]
+    if not config.pluginmanager.is_registered(module):
+        config.pluginmanager.register(module, __name__)
 
 
-class _PortConflictReruns:
-    def __init__(self, config: pytest.Config) -> None:
-        value = os.environ.get(_ENV, "2").strip()
-        if not (value.isascii() and value.isdigit()):
-            raise pytest.UsageError(f"{_ENV}={value!r}: expected a number of reruns, 0 to turn reruns off.")
-        self.reruns = int(value)
-        self.conflicts: list[str] = []
-        if self.reruns and not (_RERUNFAILURES_12 and config.pluginmanager.hasplugin("rerunfailures")):
-            self.reruns = 0
-            message = f"{__name__} cannot rerun tests that hit a port conflict: it needs pytest-rerunfailures>=12."
-            config.issue_config_time_warning(pytest.PytestConfigWarning(message), stacklevel=2)
-
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        if not self.reruns:
-            return
-        user_reruns = config.getoption("force_reruns", None) or _user_setting(config, "reruns", int) or 0
-        only_rerun = _user_setting(config, "only_rerun", list) or []
-        if user_reruns and not only_rerun:  # the suite reruns every failure, port conflicts included
-            return
-        patterns = [*only_rerun, PORT_CONFLICT_PATTERN] if user_reruns else [PORT_CONFLICT_PATTERN]
-        kwargs: dict[str, Any] = {"reruns": user_reruns or self.reruns, "only_rerun": patterns}
-        if config.getoption("reruns_mode", None) == "append":  # the marker's count is added to the suite's
-            kwargs["reruns"] -= user_reruns
-        for name in ("reruns_delay", "reruns_delay_backoff_factor"):  # the marker hides the suite's settings
-            if (value := _user_setting(config, name, float)) is not None:
-                kwargs[name] = value
-        for item in items:
-            if item.get_closest_marker("flaky") is None:
-                item.add_marker(pytest.mark.flaky(**kwargs))
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        item.stash[_attempt_key] = (_clock(), os.environ.get("MASTER_PORT"))
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, Any]:
-        report = yield
-        if report.failed and call.excinfo is not None and _is_port_conflict(call.excinfo.value):
-            report.user_properties.append(("port_conflict", item.nodeid))
-            started, master_port = item.stash.get(_attempt_key, (None, None))
-            _kill_launcher_children_since(started or 0)
-            _destroy_dist_connection()
-            if master_port is None:
-                os.environ.pop("MASTER_PORT", None)
-            else:
-                os.environ["MASTER_PORT"] = master_port
-        return report
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.conflicts += [str(value) for name, value in report.user_properties if name == "port_conflict"]
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.conflicts:
-            terminalreporter.write_sep("-", "port conflicts")
-            for nodeid in self.conflicts:
-                terminalreporter.write_line(f"{nodeid}: EADDRINUSE")
-
-
-def _user_setting(config: pytest.Config, name: str, convert: Callable[[Any], Any]) -> Any:
-    value = config.getoption(name, None)
-    if value is None:
-        with contextlib.suppress(ValueError, TypeError):  # an unknown or empty ini key
-            value = convert(config.getini(name))
-    return value
-
-
-def _is_port_conflict(exception: BaseException | None) -> bool:
-    """Whether pytest-rerunfailures' ``only_rerun`` would match the port-conflict pattern."""
+def is_port_conflict(exception: Optional[BaseException]) -> bool:
+    """Whether ``exception``, or one it was raised from or while handling, says that a port was taken."""
     while exception is not None:
-        if re.search(PORT_CONFLICT_PATTERN, f"{type(exception).__name__}: {exception}"):
+        if isinstance(exception, OSError) and exception.errno in _EADDRINUSE:
             return True
-        if not _RERUNFAILURES_CHAINS:
-            return False
+        if not isinstance(exception, AssertionError) and any(m in str(exception).lower() for m in _MESSAGES):
+            return True
         exception = exception.__cause__ or (None if exception.__suppress_context__ else exception.__context__)
     return False
 
 
-def _clock() -> float:
-    """Clock ticks since boot, the unit of a process's start time in ``/proc``; 0 where that is not available."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK") if hasattr(time, "CLOCK_BOOTTIME") else 0
+def pytest_configure(config: pytest.Config) -> None:
+    """Read the number of reruns: one clear error for a value that is not one."""
+    value = os.environ.get(_ENV, "2").strip()
+    if not (value.isascii() and value.isdigit()):
+        raise pytest.UsageError(f"{_ENV}={value!r}: expected a number of reruns, 0 to turn reruns off.")
+    config.stash[_reruns_key] = int(value)
 
 
-def _kill_launcher_children_since(started: float) -> None:
-    """SIGKILL the children of this process started since ``started`` with ``LOCAL_RANK`` in their environment."""
-    for entry in os.listdir("/proc") if started else []:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(f"/proc/{entry}/stat") as f:
-                # after "pid (comm)": state, ppid, ... and the start time in clock ticks at index 19
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = b"\0" + f.read()
-            if int(fields[1]) == os.getpid() and int(fields[19]) >= int(started) and b"\0LOCAL_RANK=" in environ:
-                os.kill(int(entry), signal.SIGKILL)
-                os.waitpid(int(entry), 0)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Generator[None, Any, Any]:
+    """Run the protocol; after an attempt that lost its port, clean it up and run the protocol again.
+
+    The outermost wrapper, however the plugin was registered: the other wrappers (pytest's warnings capture,
+    pytest-timeout's timer) have finished with the failed attempt when its rerun starts, and wrap the rerun anew.
+
+    """
+    if not _reruns_allowed(item):
+        return (yield)
+    attempt = item.stash[_attempt_key] = _Attempt()
+    result = yield
+    done = item.stash.get(_reruns_done_key, 0)
+    if attempt.rerun and not (item.session.shouldfail or item.session.shouldstop):
+        attempt.clean_up()
+        item.stash[_reruns_done_key] = done + 1
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)  # the whole protocol, once more
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    """Note what exists before the test function runs: its clean-up undoes only what it added."""
+    attempt = item.stash.get(_attempt_key, None)
+    if attempt is not None:
+        attempt.before_call()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, Any]:
+    """Decide from the failure itself: a port conflict in setup or call, with a rerun left, is reported as ``rerun``."""
+    report = yield
+    attempt = item.stash.get(_attempt_key, None)
+    if (
+        attempt is not None
+        and not attempt.rerun
+        and report.failed
+        and call.when in ("setup", "call")
+        and call.excinfo is not None
+        and is_port_conflict(call.excinfo.value)
+        and item.stash.get(_reruns_done_key, 0) < item.config.stash[_reruns_key]
+    ):
+        report.outcome = "rerun"  # as pytest-rerunfailures reports an attempt that is run again
+        report.user_properties.append((_PROPERTY, call.excinfo.exconly().splitlines()[0][:200]))
+        attempt.rerun = True
+        if call.when == "call":
+            attempt.environ_after_call = dict(os.environ)
+    return report
+
+
+def pytest_report_teststatus(report: pytest.TestReport) -> Optional[tuple[str, str, Any]]:
+    """Show this plugin's reruns as pytest-rerunfailures shows its own (``R``, ``RERUN``)."""
+    if report.outcome == "rerun" and any(name == _PROPERTY for name, _ in report.user_properties):
+        return "rerun", "R", ("RERUN", {"yellow": True})
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """List the reruns after a port conflict, with the error that caused each."""
+    reruns = [
+        f"{report.nodeid} ({report.when}): {value}"
+        for report in terminalreporter.stats.get("rerun", [])
+        for name, value in report.user_properties
+        if name == _PROPERTY
+    ]
+    if reruns:
+        terminalreporter.write_sep("-", f"rerun after a port conflict ({_ENV})")
+        for line in reruns:
+            terminalreporter.write_line(line)
+
+
+def _reruns_allowed(item: pytest.Item) -> bool:
+    config = item.config
+    if not config.stash.get(_reruns_key, 0) or config.getoption("usepdb", False) or config.getoption("trace", False):
+        return False
+    return item.get_closest_marker("flaky") is None and not _suite_reruns(config)
+
+
+def _suite_reruns(config: pytest.Config) -> bool:
+    """Whether pytest-rerunfailures reruns every test of the suite: ``--reruns``, ``--force-reruns``, ``reruns`` ini."""
+    if config.getoption("force_reruns", None) or config.getoption("reruns", None):
+        return True
+    try:
+        return int(config.getini("reruns")) > 0
+    except (ValueError, TypeError):  # no such ini option (pytest-rerunfailures is not active), or not set
+        return False
+
+
+class _Attempt:
+    """What one attempt of a test needs for its rerun: whether one follows, and what the test function changed."""
+
+    def __init__(self) -> None:
+        self.rerun = False
+        self._threads: set[threading.Thread] = set()
+        self._environ: dict[str, str] = {}
+        self.environ_after_call: Optional[dict[str, str]] = None
+        self._process_group_before = False
+
+    def before_call(self) -> None:
+        self._threads = set(threading.enumerate())
+        self._environ = dict(os.environ)
+        self._process_group_before = _process_group_initialized()
+
+    def clean_up(self) -> None:
+        """Undo what the failed test function left behind, after its teardown: nothing it did not start or change."""
+        if self.environ_after_call is None:  # the setup failed: its fixtures' teardown is responsible
+            return
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+        for thread in threading.enumerate():
+            if isinstance(thread, _ChildProcessObserver) and thread not in self._threads:
+                # the observer would kill this process on seeing a child killed: it watches no process from now on
+                processes, thread._child_processes = thread._child_processes, []
+                for process in processes:
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
+        if not self._process_group_before and _process_group_initialized():
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+        for name in self._environ.keys() | self.environ_after_call.keys():
+            before, after = self._environ.get(name), self.environ_after_call.get(name)
+            if before != after and os.environ.get(name) == after:
+                if before is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = before
+
+
+def _process_group_initialized() -> bool:
+    if "torch" not in sys.modules:  # nothing imported torch: there is no process group
+        return False
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()

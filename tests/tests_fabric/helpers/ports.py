@@ -1,0 +1,74 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Checks of who holds a port, for the tests of the port Lightning picks for the rendezvous store."""
+
+import os
+import socket
+
+
+def held_here(port: int) -> bool:
+    """Whether this process has a socket bound to ``port`` that neither listens nor is connected: a held port."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.getsockname()[1] != port:
+                    continue
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                try:
+                    sock.getpeername()
+                except OSError:  # not connected
+                    return True
+        except OSError:  # closed meanwhile, or not a socket Python can wrap
+            continue
+    return False
+
+
+def plain_bind_succeeds(port: int) -> bool:
+    """Whether a socket without ``SO_REUSEADDR`` can bind ``port``: false while anyone holds it."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port no socket is bound to right now, for a test that sets ``MASTER_PORT`` itself."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def bound_only_ports() -> set[int]:
+    """The ports of the IPv4 TCP sockets that are bound but neither listen nor connect, as the kernel reports them to
+    ``ss --bound-inactive``: a sock_diag dump for the pseudo-state ``TCP_BOUND_INACTIVE`` (Linux, netlink)."""
+    import struct
+
+    bound_inactive, sock_diag_by_family, dump = 13, 20, 0x301  # NLM_F_REQUEST | NLM_F_DUMP
+    request = struct.pack("=BBBBI", socket.AF_INET, socket.IPPROTO_TCP, 0, 0, 1 << bound_inactive) + bytes(48)
+    ports = set()
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as diag:  # NETLINK_SOCK_DIAG
+        diag.send(struct.pack("=IHHII", 16 + len(request), sock_diag_by_family, dump, 1, 0) + request)
+        while True:
+            data, offset = diag.recv(1 << 16), 0
+            while offset < len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
+                    return ports
+                ports.add(struct.unpack_from("!H", data, offset + 20)[0])  # inet_diag_msg.id.idiag_sport
+                offset += (length + 3) & ~3

@@ -1,0 +1,117 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Fabric runs on the port Lightning picked: two CPU processes (gloo) in a script, several runs per script.
+
+How long each launcher holds the port, whether ``MASTER_PORT`` outlives the run, and which values of it work.
+
+"""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests_fabric.helpers import ports
+
+_SCRIPT = """
+import json, os, sys
+import torch
+from lightning.fabric import Fabric
+
+def run(fabric):
+    # inputs differ per rank: 1 + 2
+    return fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum").item()
+
+if __name__ == "__main__":
+    out, strategy, devices, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    for i in range(runs):
+        picked = "MASTER_PORT" not in os.environ
+        fabric = Fabric(strategy=strategy, devices=devices, accelerator="cpu")
+        total = fabric.launch(run)
+        port = fabric.strategy.cluster_environment.main_port
+        if fabric.global_rank == 0:  # the launching process, with its Fabric still alive
+            record = {"sum": total, "port": port, "picked": picked, "held_after": held_here(port)}
+            record["master_port_after"] = os.environ.get("MASTER_PORT")
+            with open(os.path.join(out, f"run{i}.json"), "w") as f:
+                json.dump(record, f)
+        if strategy == "ddp":  # every rank: the next run makes a new process group, on the same processes
+            torch.distributed.destroy_process_group()
+"""
+
+
+def _run(tmp_path, strategy, devices, runs, **env):
+    script = tmp_path / "train.py"
+    script.write_text("import os, socket\n" + inspect.getsource(ports.held_here) + _SCRIPT)
+    run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), strategy, str(devices), str(runs)],
+        env={**run_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"run{i}.json").read_text()) for i in range(runs)], result
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ports are kept bound on Linux only")
+
+
+@linux_only
+@pytest.mark.timeout(400)
+def test_spawn_releases_the_port_and_master_port_when_the_processes_end(tmp_path):
+    """``ddp_spawn``: each run picks and holds its own port, and leaves neither the hold nor ``MASTER_PORT`` behind."""
+    records, _ = _run(tmp_path, "ddp_spawn", 2, 2)
+    for record in records:
+        assert record["sum"] == 3.0
+        assert record["picked"]  # not the previous run's port, read back from MASTER_PORT
+        assert not record["held_after"]
+        assert record["master_port_after"] is None
+
+
+@linux_only
+@pytest.mark.timeout(400)
+def test_spawn_keeps_a_users_master_port(tmp_path):
+    port = ports.free_port()
+    records, _ = _run(tmp_path, "ddp_spawn", 2, 2, MASTER_PORT=str(port))
+    assert [(r["sum"], r["port"], r["master_port_after"]) for r in records] == [(3.0, port, str(port))] * 2
+
+
+@linux_only
+@pytest.mark.timeout(400)
+def test_ddp_releases_the_hold_once_the_store_is_up_and_keeps_the_port_for_later_runs(tmp_path):
+    """``ddp``: the launching process is rank 0; its store holds the port from then on, not Lightning.
+
+    The launched processes run the whole script, so later runs of the script use the same ``MASTER_PORT``.
+
+    """
+    records, _ = _run(tmp_path, "ddp", 2, 2)
+    assert [r["sum"] for r in records] == [3.0, 3.0]
+    assert not records[0]["held_after"]
+    assert records[0]["picked"]
+    assert records[1]["port"] == records[0]["port"] == int(records[1]["master_port_after"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("value", ["0", "+{port}", " {port}\n"])
+def test_master_port_values_stock_accepted_keep_working(tmp_path, value):
+    """``MASTER_PORT=0`` lets a single process's store bind any port: it works, with one warning."""
+    value = value.format(port=ports.free_port())
+    records, result = _run(tmp_path, "ddp", 1, 1, MASTER_PORT=value)
+    assert records[0]["sum"] == 1.0
+    assert records[0]["port"] == int(value)
+    assert result.stderr.count("MASTER_PORT=0: the rendezvous store binds") == (value == "0")

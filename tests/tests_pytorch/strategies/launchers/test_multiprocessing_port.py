@@ -1,0 +1,53 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The spawn launcher frees the port Lightning picked, and puts ``MASTER_PORT`` back, when its processes have exited."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = """
+import json, os, sys
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+if __name__ == "__main__":
+    records = []
+    for _ in range(2):  # a sweep: several fits in one process
+        picked = "MASTER_PORT" not in os.environ
+        trainer = Trainer(
+            strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(BoringModel())
+        reservation = trainer.strategy.cluster_environment._port_reservation
+        held = reservation is not None and reservation.held
+        records.append({"picked": picked, "held_after": held, "master_port_after": os.environ.get("MASTER_PORT")})
+    print(json.dumps(records))
+"""
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ports are kept bound on Linux only")
+def test_every_ddp_spawn_fit_holds_a_port_of_its_own(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=350)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(result.stdout.strip().splitlines()[-1])
+    assert records == [{"picked": True, "held_after": False, "master_port_after": None}] * 2
