@@ -51,6 +51,16 @@ _KEEP_PORTS = """
     def test_fixture_error(broken):
         pass
 
+    def test_asserts_while_handling_a_taken_port():  # the test's own verdict, raised while handling a port conflict
+        try:
+            store_on_busy_port()
+        except RuntimeError:
+            assert attempt("asserts_while_handling") > 1
+
+    def test_fails_saying_the_address_is_in_use():
+        if attempt("fails_saying_in_use") == 1:
+            pytest.fail("the server reported: address already in use")
+
     @pytest.mark.xfail(raises=RuntimeError)
     def test_xfail_on_a_taken_port():
         store_on_busy_port()
@@ -121,6 +131,8 @@ def test_last_failed_selects_the_same_tests(tmp_path):
         "test_inner.py::test_fails",
         "test_inner.py::test_fails_once",
         "test_inner.py::test_fixture_error",
+        "test_inner.py::test_asserts_while_handling_a_taken_port",
+        "test_inner.py::test_fails_saying_the_address_is_in_use",
     }
 
 
@@ -276,6 +288,12 @@ def test_recognizes_real_port_conflicts_only():
     assert not is_port_conflict(RuntimeError("rendezvous timed out"))
     assert not is_port_conflict(ConnectionRefusedError(111, "Connection refused"))
     assert not is_port_conflict(AssertionError(f"unexpected: {store_error}"))
+    verdict = AssertionError("wrong port")
+    verdict.__context__ = store_error  # an assertion that failed while handling a port conflict
+    assert not is_port_conflict(verdict)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        pytest.fail("address already in use")
+    assert not is_port_conflict(failed.value)
     suppressed = RuntimeError("other")
     suppressed.__context__, suppressed.__suppress_context__ = store_error, True
     assert not is_port_conflict(suppressed)

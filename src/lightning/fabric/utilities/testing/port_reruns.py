@@ -19,8 +19,10 @@ disables it.
 
 The rule: a test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0`` turns reruns off), when its
 setup or call failed with a port conflict: the exception, or one it was raised from or while handling, is an
-``OSError`` with ``errno`` ``EADDRINUSE``, or any exception but an ``AssertionError`` whose message says
-``EADDRINUSE`` or "address already in use" (``TCPStore``'s ``DistNetworkError``, gloo's errors). The rerun is
+``OSError`` with ``errno`` ``EADDRINUSE``, or an ``Exception`` whose message says ``EADDRINUSE`` or "address already
+in use" (``TCPStore``'s ``DistNetworkError``, gloo's errors). The test's own verdict ends the search: an
+``AssertionError``, or what is not an ``Exception`` (``pytest.fail``, ``pytest.skip``), is never a port conflict,
+whatever it was raised while handling. The rerun is
 pytest's own protocol run again, as if the test came next: fixtures that the next test would share stay set up,
 those that pytest tore down after the failed attempt (it was their last test) are set up again, and a wider-scoped
 fixture that failed keeps its error for its scope, as pytest keeps it. Nothing else is changed, and nothing at all
@@ -65,11 +67,18 @@ def register(config: pytest.Config) -> None:
 
 
 def is_port_conflict(exception: Optional[BaseException]) -> bool:
-    """Whether ``exception``, or one it was raised from or while handling, says that a port was taken."""
+    """Whether ``exception``, or one it was raised from or while handling, says that a port was taken.
+
+    An ``AssertionError``, or an exception that is not an ``Exception`` (``pytest.fail``), is the test's own verdict:
+    ``False``, whatever it was raised while handling.
+
+    """
     while exception is not None:
+        if isinstance(exception, AssertionError) or not isinstance(exception, Exception):
+            return False
         if isinstance(exception, OSError) and exception.errno in _EADDRINUSE:
             return True
-        if not isinstance(exception, AssertionError) and any(m in str(exception).lower() for m in _MESSAGES):
+        if any(m in str(exception).lower() for m in _MESSAGES):
             return True
         exception = exception.__cause__ or (None if exception.__suppress_context__ else exception.__context__)
     return False
