@@ -224,8 +224,6 @@ class _Attempt:
 
 
 def _process_group_initialized() -> bool:
-    if "torch" not in sys.modules:  # nothing imported torch: there is no process group
-        return False
     import torch.distributed
 
     return torch.distributed.is_available() and torch.distributed.is_initialized()
