@@ -13,6 +13,7 @@ from patchset.materialize import base_repo, materialize_workspace
 from patchset.pin import read_pin
 from patchset.series import read_series
 from patchset.upstream_record import (
+    BY_HAND,
     PAGE,
     RUNS,
     Context,
@@ -136,10 +137,13 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
     assert "| `tests/tests_fabric/test_tiny.py::test_broken_by_the_patch` | **the patch** | AssertionError: the" in page
     assert "| `tests/tests_fabric/test_tiny.py::test_broken_anyway` | pre-existing (fails on the base too) |" in page
 
-    # a second run replaces the job's section and keeps the other job's
+    # a second run replaces the job's section and keeps the other job's, and what was added by hand at the end
+    by_hand = f"{BY_HAND}\n\n## Runs by hand\n\nA run with `--pdb`.\n"
+    (project / PAGE).write_text(page + "\n" + by_hand)
     run_upstream_tests(project, "2", onto, runs=["newest"], base="main", python=sys.executable, base_runs="failures")
     page = (project / PAGE).read_text()
     assert page.count("<!-- upstream-tests: 0002-") == 2
+    assert page.endswith("\n" + by_hand)
     assert "| on the base (the tests that failed on the branch) | 1 passed, 2 failed" in page
     assert oldest_section in page
 

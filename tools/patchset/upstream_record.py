@@ -264,14 +264,25 @@ def caused_count(section: str) -> int | None:
 
 
 def write_record(project: Path, record: Record | CheckRecord) -> None:
-    """Put the record's section into :data:`PAGE`, replacing its previous one; patches in series order, then jobs."""
+    """Put the record's section into :data:`PAGE`, replacing its previous one; patches in series order, then jobs.
+
+    What follows :data:`BY_HAND` on the page (runs made by hand) is kept as it is, after the sections.
+    """
     found = sections(project)
     found[(record.context.patch, record.run)] = record.markdown()
     order = {patch.name: i for i, patch in enumerate(read_series(project))}
     kept = sorted((key for key in found if key[0] in order), key=lambda k: (order[k[0]], RUNS.index(k[1])))
     page = project / PAGE
     page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(HEADER + "\n".join(found[key] + "\n" for key in kept), encoding="utf-8")
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    by_hand = text[text.index(BY_HAND) :] if BY_HAND in text else ""
+    page.write_text(
+        HEADER + "\n".join(found[key] + "\n" for key in kept) + (by_hand and "\n" + by_hand), encoding="utf-8"
+    )
+
+
+#: The line after which :data:`PAGE` holds runs made by hand, which :func:`write_record` keeps.
+BY_HAND = "<!-- by hand: upstream-tests keeps what follows -->"
 
 
 HEADER = """# Upstream's own checks on each pull request
