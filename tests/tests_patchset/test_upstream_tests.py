@@ -90,7 +90,9 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
     git(onto, "checkout", "-q", "-b", "work")  # the maintainer is elsewhere; the run must come back here
     workspace = materialize_workspace(project)
     (workspace / INIT).write_text((workspace / INIT).read_text() + "# the patch\n")
-    git(workspace, "commit", "-qam", "fabric: mark\n\nWhy.\n\nForwarded: no\nChangelog: fabric Fixed: Fixed it")
+    write(project / "tests/tests_fabric/test_added.py", "def test_added():\n    assert False\n")  # not on the base
+    fields = "Forwarded: no\nChangelog: fabric Fixed: Fixed it\nNew-Files: tests/tests_fabric/test_added.py"
+    git(workspace, "commit", "-qam", f"fabric: mark\n\nWhy.\n\n{fields}")
     export(project)
 
     newest, oldest = run_upstream_tests(
@@ -107,14 +109,16 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
         "test_skipped": "skipped",
         "test_standalone": "passed",  # in a process of its own
         "test_future_warning": "failed",
+        "test_added": "failed",
     }
     assert newest.on_base["tests/tests_fabric/test_tiny.py::test_broken_by_the_patch"].outcome == "passed"
-    assert [o.nodeid.split("::")[1] for o in newest.caused] == ["test_broken_by_the_patch"]
+    assert {o.nodeid.split("::")[1] for o in newest.caused} == {"test_broken_by_the_patch", "test_added"}
+    assert "tests/tests_fabric/test_added.py::test_added" not in newest.on_base  # nothing to run there
     assert newest.context.local_commits == ["not checked: the checkout has no remote to compare with"]
     # the oldest job's warning filters (upstream's, without error::FutureWarning), on the same branch and base
     assert isinstance(oldest, Record)
     assert oldest.branch["tests/tests_fabric/test_tiny.py::test_future_warning"].outcome == "passed"
-    assert [o.nodeid.split("::")[1] for o in oldest.caused] == ["test_broken_by_the_patch"]
+    assert {o.nodeid.split("::")[1] for o in oldest.caused} == {"test_broken_by_the_patch", "test_added"}
     assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == "work"
     assert git(onto, "status", "--porcelain") == ""
 
@@ -130,9 +134,9 @@ def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path
         sections(project)[(patch.name, "oldest")],
     )
     assert page.index(newest_section) < page.index(oldest_section)
-    assert "| on the PR branch | 2 passed, 3 failed, 1 skipped |" in newest_section
-    assert "| on the PR branch | 3 passed, 2 failed, 1 skipped |" in oldest_section
-    assert caused_count(newest_section) == caused_count(oldest_section) == 1
+    assert "| on the PR branch | 2 passed, 4 failed, 1 skipped |" in newest_section
+    assert "| on the PR branch | 3 passed, 3 failed, 1 skipped |" in oldest_section
+    assert caused_count(newest_section) == caused_count(oldest_section) == 2
     assert "`base.txt`, `test.txt` pinned as `==` (`set-oldest`)" in oldest_section
     assert "| `tests/tests_fabric/test_tiny.py::test_broken_by_the_patch` | **the patch** | AssertionError: the" in page
     assert "| `tests/tests_fabric/test_tiny.py::test_broken_anyway` | pre-existing (fails on the base too) |" in page
