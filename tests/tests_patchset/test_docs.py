@@ -9,6 +9,7 @@ import pytest
 from patchset_helpers import PROJECT_EMAIL, REPO
 
 from patchset.fork_metadata import fork_url
+from patchset.pin import read_pin
 from patchset.release import unreleased_notes
 from patchset.series import CHANGELOG_SECTIONS, read_series
 
@@ -69,9 +70,12 @@ def test_no_page_describes_one_machine_only(page: Path):
 
 
 def test_the_changelog_keeps_a_changelog_and_has_a_section_to_release():
+    """Something under `[Unreleased]`, except on the commit with which `release` starts the next label."""
     text = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     _, notes = unreleased_notes(text)
-    assert notes
+    pin = read_pin(REPO)
+    label = int(pin.local_version.removeprefix("patchset."))
+    assert notes or f"\n## [{pin.version}+patchset.{label - 1}] - " in text
     assert set(re.findall(r"^### (.+)$", text, flags=re.MULTILINE)) <= set(CHANGELOG_SECTIONS)
 
 
