@@ -42,6 +42,21 @@ class SameDeferralOnEveryRank(Callback):
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
+def two_rank_trainer(tmp_path, ckpt, **kwargs):
+    """A `Trainer` of 2 CPU processes (gloo) with `ckpt` and the callback that checks the ranks defer alike."""
+    return Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize(
     ("manual", "val_check_interval"), [(True, 1.0), (False, 1.0), (False, 0.5)], ids=["manual", "automatic", "deferral"]
 )
@@ -51,18 +66,12 @@ def test_ranks_that_log_in_different_batches_neither_hang_nor_pair_wrongly(tmp_p
     validation on the ranks that did not log, and not on the others, if the ranks did not agree."""
     seed_everything(5)
     ckpt = checkpoint(tmp_path, every_n_train_steps=1, save_top_k=-1)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
+    trainer = two_rank_trainer(
+        tmp_path,
+        ckpt,
         max_steps=16,
         val_check_interval=val_check_interval,
         limit_val_batches=1 if val_check_interval != 1.0 else 0,
-        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(LogOnAlternateRanks(manual=manual))
 
@@ -105,17 +114,6 @@ def test_a_rank_without_the_monitored_value_defers_as_the_others_do(tmp_path):
     seed_everything(5)
     kwargs = {"every_n_train_steps": BATCHES_PER_EPOCH, "save_top_k": -1, "save_on_train_epoch_end": False}
     ckpt = checkpoint(tmp_path, enable_version_counter=False, **kwargs)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        max_epochs=2,
-        limit_val_batches=1,
-        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = two_rank_trainer(tmp_path, ckpt, max_epochs=2, limit_val_batches=1)
     trainer.fit(LateOnRankOne())
     assert sorted(path.name for path in tmp_path.glob("*.ckpt")) == ["step=16.ckpt", "step=8.ckpt"]
