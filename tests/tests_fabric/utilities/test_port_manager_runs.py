@@ -34,7 +34,11 @@ from lightning.fabric import Fabric
 
 def run(fabric):
     # inputs differ per rank: 1 + 2
-    return fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum").item()
+    total = fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum").item()
+    # every rank, every launcher: the next run makes a new process group, and a process (a ``ddp_spawn`` child) does
+    # not exit with gloo's threads still running, which can abort it ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
+    return total
 
 if __name__ == "__main__":
     out, strategy, devices, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -48,8 +52,6 @@ if __name__ == "__main__":
             record["master_port_after"] = os.environ.get("MASTER_PORT")
             with open(os.path.join(out, f"run{i}.json"), "w") as f:
                 json.dump(record, f)
-        if strategy == "ddp":  # every rank: the next run makes a new process group, on the same processes
-            torch.distributed.destroy_process_group()
 """
 
 
