@@ -36,7 +36,7 @@ def run(fabric):
     # inputs differ per rank: 1 + 2
     total = fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum").item()
     # every rank, every launcher: the next run makes a new process group, and a process (a ``ddp_spawn`` child) does
-    # not exit with gloo's threads still running, which can abort it ("terminate called without an active exception")
+    # not exit with gloo's threads still running, which can abort it (torch #190489)
     torch.distributed.destroy_process_group()
     return total
 

@@ -12,6 +12,11 @@ from torch import nn
 from lightning.pytorch import Callback, Trainer, seed_everything
 from tests_pytorch.checkpointing.test_checkpoint_pre_step import PROBE_X, PROBE_Y, Net, checkpoint, load, score_of
 
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)"),
+]
+
 BATCHES_PER_EPOCH = 8  # 64 samples, 2 ranks, batches of 4
 
 
@@ -40,8 +45,16 @@ class SameDeferralOnEveryRank(Callback):
         assert deferred.min() == deferred.max(), deferred
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
+class DestroyProcessGroup(Callback):
+    """Each spawned process ends its process group when the fit ends: Lightning leaves a gloo group to the interpreter's
+    exit, where gloo's threads can abort the process ("terminate called without an active exception", torch #190489)
+    after the test's work is done."""
+
+    def teardown(self, trainer, pl_module, stage):
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def two_rank_trainer(tmp_path, ckpt, **kwargs):
     """A `Trainer` of 2 CPU processes (gloo) with `ckpt` and the callback that checks the ranks defer alike."""
     return Trainer(
@@ -49,7 +62,7 @@ def two_rank_trainer(tmp_path, ckpt, **kwargs):
         accelerator="cpu",
         devices=2,
         strategy="ddp_spawn",
-        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt],
+        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt, DestroyProcessGroup()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -106,8 +119,6 @@ class LateOnRankOne(Net):
         return torch.utils.data.DataLoader(loader.dataset, batch_size=4)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 def test_a_rank_without_the_monitored_value_defers_as_the_others_do(tmp_path):
     """The first save is the last batch of epoch 0, where rank 1 has no `score` yet: every rank defers it to the end of
     validation, as without the option, and the ranks track the same file names."""

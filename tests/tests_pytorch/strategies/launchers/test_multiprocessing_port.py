@@ -22,8 +22,15 @@ import pytest
 
 _SCRIPT = """
 import json, os, sys
-from lightning.pytorch import Trainer
+import torch
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+
+class DestroyProcessGroup(Callback):
+    # each spawned process ends its gloo group before the interpreter exits, where gloo's threads can abort it
+    def teardown(self, trainer, pl_module, stage):
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     records = []
@@ -32,6 +39,7 @@ if __name__ == "__main__":
         trainer = Trainer(
             strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[DestroyProcessGroup()],
         )
         trainer.fit(BoringModel())
         reservation = trainer.strategy.cluster_environment._port_reservation
