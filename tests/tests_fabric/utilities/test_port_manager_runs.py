@@ -28,18 +28,23 @@ import pytest
 from tests_fabric.helpers import ports
 
 _SCRIPT = """
-import json, os, sys
+import atexit, json, os, sys
 import torch
 from lightning.fabric import Fabric
+
+# Lightning leaves a gloo group to the interpreter's exit, where gloo's threads now and then abort the process
+# ("terminate called without an active exception", torch #190489), and destroy_process_group can hang instead
+# (torch 2.1): once its work is done, a process of the script exits without that teardown.
+def exit_now():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 def run(fabric, spawned):
     # inputs differ per rank: 1 + 2
     total = fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum").item()
-    # A spawned process exits when the run returns. Lightning destroys only NCCL groups at exit, and with torch 2.13 a
-    # gloo group left to the interpreter's exit now and then aborts the process ("terminate called without an active
-    # exception", torch #190489). With torch 2.1, destroying it here hangs now and then: older releases keep stock's.
-    if spawned and torch.__version__ >= "2.13":
-        torch.distributed.destroy_process_group()
+    if spawned:  # the process exits once the launcher has the result
+        atexit.register(exit_now)
     return total
 
 if __name__ == "__main__":
@@ -54,8 +59,9 @@ if __name__ == "__main__":
             record["master_port_after"] = os.environ.get("MASTER_PORT")
             with open(os.path.join(out, f"run{i}.json"), "w") as f:
                 json.dump(record, f)
-        if strategy == "ddp":  # every rank: the next run makes a new process group, on the same processes
-            torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():  # ddp: every rank ran every run in the process group of the first
+        torch.distributed.barrier()  # no rank exits while another still talks to it
+        exit_now()
 """
 
 
@@ -102,7 +108,8 @@ def test_spawn_keeps_a_users_master_port(tmp_path):
 def test_ddp_releases_the_hold_once_the_store_is_up_and_keeps_the_port_for_later_runs(tmp_path):
     """``ddp``: the launching process is rank 0; its store holds the port from then on, not Lightning.
 
-    The launched processes run the whole script, so later runs of the script use the same ``MASTER_PORT``.
+    The launched processes run the whole script, so later runs of the script join the same process group, on the same
+    ``MASTER_PORT``.
 
     """
     records, _ = _run(tmp_path, "ddp", 2, 2)

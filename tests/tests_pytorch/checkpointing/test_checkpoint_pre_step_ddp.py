@@ -5,6 +5,11 @@ rank logged during a batch is its own; no decision that leads into a collective 
 `ModelCheckpoint` state records the score that ranked it (`current_score`).
 """
 
+import atexit
+import multiprocessing
+import os
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -45,15 +50,21 @@ class SameDeferralOnEveryRank(Callback):
         assert deferred.min() == deferred.max(), deferred
 
 
-class DestroyProcessGroup(Callback):
-    """Each spawned process ends its process group when the fit ends: Lightning leaves a gloo group to the interpreter's
-    exit, where with torch 2.13 gloo's threads now and then abort the process after the test's work is done ("terminate
-    called without an active exception", torch #190489). With torch 2.1, destroying it in a spawned process can hang
-    instead: older releases keep stock's behaviour."""
+def _exit_now():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class ExitWithoutGlooTeardown(Callback):
+    """Each spawned process exits without gloo's teardown once its fit has succeeded: Lightning leaves a gloo group to
+    the interpreter's exit, where gloo's threads now and then abort the process after the test's work is done
+    ("terminate called without an active exception", torch #190489), and ``destroy_process_group`` can hang instead
+    (torch 2.1)."""
 
     def teardown(self, trainer, pl_module, stage):
-        if torch.__version__ >= "2.13" and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if multiprocessing.parent_process() is not None:  # a spawned process, never the test's own
+            atexit.register(_exit_now)
 
 
 def two_rank_trainer(tmp_path, ckpt, **kwargs):
@@ -63,7 +74,7 @@ def two_rank_trainer(tmp_path, ckpt, **kwargs):
         accelerator="cpu",
         devices=2,
         strategy="ddp_spawn",
-        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt, DestroyProcessGroup()],
+        callbacks=[SameDeferralOnEveryRank(ckpt), ckpt, ExitWithoutGlooTeardown()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

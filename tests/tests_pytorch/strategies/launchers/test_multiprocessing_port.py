@@ -21,17 +21,21 @@ import sys
 import pytest
 
 _SCRIPT = """
-import json, os, sys
-import torch
+import atexit, json, multiprocessing, os, sys
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-class DestroyProcessGroup(Callback):
-    # each spawned process ends its gloo group before the interpreter exits, where with torch 2.13 gloo's threads
-    # now and then abort it (torch #190489); with torch 2.1 destroying it can hang: older releases keep stock's
+def exit_now():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+class ExitWithoutGlooTeardown(Callback):
+    # once its fit has succeeded, each spawned process exits without gloo's teardown: a group left to the interpreter's
+    # exit now and then aborts it (torch #190489), and destroy_process_group can hang instead (torch 2.1)
     def teardown(self, trainer, pl_module, stage):
-        if torch.__version__ >= "2.13" and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if multiprocessing.parent_process() is not None:
+            atexit.register(exit_now)
 
 if __name__ == "__main__":
     records = []
@@ -40,7 +44,7 @@ if __name__ == "__main__":
         trainer = Trainer(
             strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[DestroyProcessGroup()],
+            callbacks=[ExitWithoutGlooTeardown()],
         )
         trainer.fit(BoringModel())
         reservation = trainer.strategy.cluster_environment._port_reservation
