@@ -60,7 +60,8 @@ class ExitWithoutGlooTeardown(Callback):
     """Each spawned process exits without gloo's teardown once its fit has succeeded: Lightning leaves a gloo group to
     the interpreter's exit, where gloo's threads now and then abort the process after the test's work is done
     ("terminate called without an active exception", torch #190489), and ``destroy_process_group`` can hang instead
-    (torch 2.1)."""
+    (torch 2.1). What fails after this hook (the launcher's own collection of the results) exits with 0: for rank 0
+    the test then fails by its timeout, as the launcher waits for a result that never comes."""
 
     def teardown(self, trainer, pl_module, stage):
         if multiprocessing.parent_process() is not None:  # a spawned process, never the test's own
