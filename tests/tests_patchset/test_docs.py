@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -52,13 +53,43 @@ def test_every_patch_is_authored_by_the_project():
 def test_install_lines_use_the_address_pyproject_declares():
     url = fork_url(REPO)
     text = README.read_text(encoding="utf-8")
-    assert f'pip install "lightning @ git+{url}@v' in text
+    assert f'pip install "lightning @ git+{url}@' in text
     assert f"{url}/issues" in text
     owner = url.split("/")[3]
     for page in PAGES:
         for found in re.findall(rf"https://github\.com/{owner}/[\w.-]+", page.read_text(encoding="utf-8")):
             assert found.removesuffix(".git") == url, (page.name, found)
     assert "<url of this repository>" not in text
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
+
+
+def test_install_lines_pin_the_newest_release_by_a_commit_that_a_fresh_clone_has(tmp_path: Path):
+    """Every ref in the README's install lines is the newest release's commit, as the CHANGELOG names it, and a clone
+    of the repository (which has main's commits, and no tags) resolves it to a commit whose pin builds that release."""
+    url = fork_url(REPO)
+    text = README.read_text(encoding="utf-8")
+    refs = re.findall(rf'{re.escape(url)}(?:\.git)?@([^"\s]+)', text)
+    refs += re.findall(r'\b(?:rev|tag|branch) = "([^"]+)"', text)  # Poetry's table
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    releases = re.findall(r"^## \[([^\]]+)\] - [0-9-]+\n\nCommit: `([0-9a-f]{40})`$", changelog, re.MULTILINE)
+    assert releases, "the CHANGELOG names no release's commit"
+    version, commit = releases[0]
+    assert len(refs) >= 6
+    assert set(refs) == {commit}, refs
+    assert f"`{version}` is commit `{commit}`" in text
+    if not (REPO / ".git").exists() or _git(REPO, "rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("not a full git clone of the repository")
+    clone = tmp_path / "clone"
+    proc = subprocess.run(["git", "clone", "-q", "--no-checkout", "--no-tags", str(REPO), str(clone)], check=False)
+    assert proc.returncode == 0
+    assert _git(clone, "tag", "-l").stdout == ""
+    assert _git(clone, "rev-parse", "--verify", "-q", f"{commit}^{{commit}}").stdout.strip() == commit
+    assert _git(clone, "merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, "not on main's history"
+    pin = _git(clone, "show", f"{commit}:patches/upstream.pin").stdout
+    assert f"local-version = {version.split('+', 1)[1]}" in pin.splitlines(), pin
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)

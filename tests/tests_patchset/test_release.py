@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,13 @@ def test_release_tags_the_commit_then_moves_the_label(checkout: Path, run_cli):
     # the commit after it builds the next label, with an empty [Unreleased] section
     assert git(checkout, "rev-parse", "HEAD~1") == released
     assert read_pin(checkout).fork_version == NEXT
+    # under the release's heading, its full commit hash, which users pin: a clone of main has it, and no tags
     assert (
         (checkout / "CHANGELOG.md")
         .read_text()
-        .startswith(f"# Changelog\n\n## [Unreleased]\n\n## [{FORK}] - 2026-12-01\n")
+        .startswith(
+            f"# Changelog\n\n## [Unreleased]\n\n## [{FORK}] - 2026-12-01\n\nCommit: `{released}`\n\n### Fixed\n"
+        )
     )
     assert git(checkout, "status", "--porcelain") == ""
     again = run_cli(checkout, "release")
@@ -88,15 +92,20 @@ def test_release_refuses_uncommitted_work_an_existing_tag_and_a_bad_date(checkou
 
 @pytest.mark.slow
 def test_a_tag_and_a_commit_pin_install_from_a_fresh_venv(checkout: Path, run_cli, bundled_pip_venv: Path):
-    """The README's pins, with a local clone's URL: `@<tag>` in requirements.txt, `@<commit>` in pyproject.toml."""
+    """The README's pins, with a local clone's URL: the release commit that the CHANGELOG names, in requirements.txt,
+    and a later commit in pyproject.toml; the clone has no tags, as a clone of the published repository has none."""
     assert run_cli(checkout, "release", "--date", "2026-12-01").returncode == 0
-    url = f"git+file://localhost{checkout.as_posix()}"  # pip before 24.1 refuses git+file:///<path>
-    requirements = write(checkout.parent / "requirements.txt", f"lightning @ {url}@v{FORK}\n")
+    clone = checkout.parent / "clone"
+    git(checkout.parent, "clone", "-q", "--no-tags", str(checkout), str(clone))
+    assert git(clone, "tag", "-l") == ""
+    released = re.search(r"^Commit: `([0-9a-f]{40})`$", (clone / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
+    url = f"git+file://localhost{clone.as_posix()}"  # pip before 24.1 refuses git+file:///<path>
+    requirements = write(checkout.parent / "requirements.txt", f"lightning @ {url}@{released}\n")
     proc = pip(bundled_pip_venv, "install", "--no-deps", "--no-build-isolation", "-r", str(requirements))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_python(bundled_pip_venv, "import lightning; print(lightning.__version__)") == FORK
 
-    commit = git(checkout, "rev-parse", "HEAD")  # after the release: the next label
+    commit = git(clone, "rev-parse", "HEAD")  # after the release: the next label
     consumer = checkout.parent / "consumer"
     write(
         consumer / "pyproject.toml",

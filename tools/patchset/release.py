@@ -4,8 +4,10 @@ The label (``local-version`` in ``patches/upstream.pin``, ``patchset.N``) is bum
 from the series: a label computed from the patches (a count, a digest) would change with every commit that touches
 them, name no decision, and a digest does not sort. :func:`release` tags the checkout's commit as the release its pin
 names (``v2.6.6+patchset.N``, after the CHANGELOG's ``[Unreleased]`` section becomes that release's), then moves the
-pin to ``patchset.N+1`` at once, so a build of any later commit never carries a released version. ``rebase`` starts a
-new upstream version at ``patchset.1``. Nothing is pushed.
+pin to ``patchset.N+1`` at once, so a build of any later commit never carries a released version, and writes the
+release commit's full hash under the release's heading (:func:`commit_line`). That hash is what users pin: a clone
+of the repository has every commit of main but no tags, so a pin on the tag resolves only where the tag was pushed.
+``rebase`` starts a new upstream version at ``patchset.1``. Nothing is pushed.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class Release:
 def tag_name(version: str) -> str:
     """The git tag of a release: ``v`` and the version, e.g. ``v2.6.6+patchset.1``."""
     return f"v{version}"
+
+
+def commit_line(commit: str) -> str:
+    """The line under a release's CHANGELOG heading that names its commit, which users pin."""
+    return f"Commit: `{commit}`"
 
 
 def unreleased_notes(text: str) -> tuple[re.Match[str], str]:
@@ -92,7 +99,8 @@ def release(project: Path, date: str | None = None) -> Release:
     following = replace(pin, local_version=f"patchset.{int(label.group(1)) + 1}")
     write_pin(project, following)
     text = changelog.read_text(encoding="utf-8")
-    changelog.write_text(text.replace(released, "## [Unreleased]\n\n" + released, 1), encoding="utf-8")
+    released_with_commit = f"{released}\n{commit_line(commit)}\n"
+    changelog.write_text(text.replace(released, "## [Unreleased]\n\n" + released_with_commit, 1), encoding="utf-8")
     message = f"Start {following.fork_version}: builds after the {tag} release carry the next label"
     git(project, "commit", "-q", "-m", message, "--", str(CHANGELOG), str(PIN_FILE), isolated=False)
     return Release(version, tag, commit, following.fork_version)
