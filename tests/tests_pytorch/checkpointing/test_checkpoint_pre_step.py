@@ -367,3 +367,81 @@ def test_save_last_link_never_points_to_a_pre_step_file(tmp_path):
     assert not last.is_symlink()
     assert "pre_optimizer_step" not in load(last)
     assert load(last)["global_step"] == 16
+
+
+class Gan(Net):
+    """Lightning's GAN recipe: two optimizers, each stepped between `toggle_optimizer` and `untoggle_optimizer`.
+
+    `head` plays the discriminator, whose `score` is logged before either step; `gen` the generator.
+
+    """
+
+    def __init__(self):
+        super().__init__(manual=True)
+        self.gen = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_d, opt_g = self.optimizers()
+        self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y).detach())
+        self.toggle_optimizer(opt_d)
+        d_loss = nn.functional.mse_loss(self.head(self.gen(x).detach()), y)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        g_loss = -nn.functional.mse_loss(self.head(self.gen(x)), y)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.head.parameters(), lr=0.2), torch.optim.Adam(self.gen.parameters(), lr=0.01)
+
+
+def test_lightnings_gan_recipe_with_toggled_optimizers_pairs_each_score(tmp_path):
+    """Toggling changes which parameters require grad between the batch start and the first step: the copy and its
+    check use the optimizers' parameters, fixed for the fit, so the files still hold the weights behind their scores."""
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, Gan())
+    assert_pairs(ckpt)
+    assert not messages(caught, "save_pre_optimizer_step_weights")
+
+
+class FreezeHeadBias(Callback):
+    """Freezes the head's bias for the second half of the fit, as a fine-tuning schedule freezes a submodule."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.head.bias.requires_grad_(trainer.global_step < 8)
+
+
+def test_freezing_a_parameter_during_the_fit_keeps_the_pairs(tmp_path):
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, Net(manual=False), callbacks=[FreezeHeadBias()], max_steps=16)
+    assert_pairs(ckpt)
+    assert not messages(caught, "save_pre_optimizer_step_weights")
+
+
+def test_a_frozen_backbone_that_the_optimizer_holds_is_not_copied(tmp_path, monkeypatch):
+    """Fine-tuning passes `self.parameters()` with a frozen backbone: only what can change in the batch is copied."""
+
+    class WithBackbone(Net):
+        def __init__(self):
+            super().__init__(manual=False)
+            self.backbone = nn.Linear(64, 64).requires_grad_(False)
+
+    copied = []
+    original = _PreStepCapture.before_optimizer_step
+
+    def spy(self, trainer, checkpoint):
+        original(self, trainer, checkpoint)
+        if self.copy is not None:
+            copied.append(set(self.copy["params"]))
+
+    monkeypatch.setattr(_PreStepCapture, "before_optimizer_step", spy)
+    _, (ckpt,) = fit(tmp_path, WithBackbone())
+    assert_pairs(ckpt)
+    assert copied
+    assert all(names == {"head.weight", "head.bias"} for names in copied), copied

@@ -39,7 +39,7 @@ class _PreStepCapture:
             self._every_n: Optional[list[int]] = sorted({c._every_n_train_steps for c in checkpoints})
         else:
             self._every_n = None
-        self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
+        self._named_params = _optimized_parameters(trainer)
         self._with_states = with_states
         self._warning_cache = WarningCache()
         self._deferred: dict[ModelCheckpoint, Optional[Tensor]] = {}  # monitored value when a save was deferred
@@ -61,7 +61,7 @@ class _PreStepCapture:
     def reset(self) -> None:
         self.copy: Optional[dict[str, Any]] = None
         self._armed = self._stepped = False
-        self._versions: list[int] = []
+        self._versions: list[tuple[Tensor, int]] = []
         self._start_values: dict[Optional[str], Optional[Tensor]] = {}
 
     def start_batch(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
@@ -73,7 +73,7 @@ class _PreStepCapture:
         step = trainer.global_step + 1
         self._armed = self._every_n is None or any(step % n == 0 for n in self._every_n)
         if self._armed:
-            self._versions = self._read_versions()
+            self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad]
             metrics = trainer.callback_metrics
             self._start_values = {c.monitor: _value(metrics, c) for c in self._checkpoints}
 
@@ -84,12 +84,15 @@ class _PreStepCapture:
         metrics = trainer.callback_metrics
         if not any(self._needs_copy(c, _value(metrics, c)) for c in self._checkpoints):
             return  # no save can use it
-        if self._read_versions() != self._versions:
+        if self._changed():
             return  # the state the batch started with is gone
         clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
+        trained = {p for p, _ in self._versions}  # and those that `toggle_optimizer` froze since the batch started
         with torch.no_grad():
             params = {
-                name: (p, clones.setdefault(p, p.detach().clone())) for name, p in self._named_params if p.requires_grad
+                name: (p, clones.setdefault(p, p.detach().clone()))
+                for name, p in self._named_params
+                if p.requires_grad or p in trained
             }
         states = {}
         if self._with_states:
@@ -99,10 +102,15 @@ class _PreStepCapture:
             })
         self.copy = {"global_step": trainer.global_step, "params": params, "states": states}
 
-    def _read_versions(self) -> list[int]:
-        # every in-place update of a tensor, by any optimizer, increases its version counter; frozen parameters (a
-        # teacher updated in place, say) are not copied, so their changes do not matter
-        return [p._version for _, p in self._named_params if p.requires_grad]
+    def _changed(self) -> bool:
+        """Whether a parameter that required grad at the batch start changed in place since then.
+
+        Every in-place update of a tensor, by any optimizer, increases its version counter. Parameters frozen at the
+        batch start and at the step (a teacher updated in place, a frozen backbone) are not copied: the file holds them
+        live, and their changes do not matter.
+
+        """
+        return any(p._version != version for p, version in self._versions)
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
         if value is None or not self._logged_in_batch(checkpoint.monitor, value):
@@ -134,7 +142,7 @@ class _PreStepCapture:
         if not self._logged_in_batch(monitor, value):
             reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, or a value"
             reason += " logged in an earlier batch)"
-        elif self.copy is None and (self._stepped or self._read_versions() != self._versions):
+        elif self.copy is None and (self._stepped or self._changed()):
             reason = (
                 "the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`), or the"
                 " value known before the step could not enter the top-k, so nothing was copied"
@@ -149,7 +157,7 @@ class _PreStepCapture:
             connector._checkpoint_transform = None
         if written == [False]:
             reason = "the module's parameters changed during the fit, or its state dict renames them"
-            self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
+            self._named_params = _optimized_parameters(trainer)
         if checkpoint is self._checkpoints[-1] and not self._deferred:
             self.copy = None  # the last checkpoint that can use it has saved
         if reason is not None:
@@ -160,10 +168,10 @@ class _PreStepCapture:
 
 
 def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.LightningModule") -> bool:
-    """Puts the copy in place of the live values in ``checkpoint``, if it holds exactly the trainable parameters."""
+    """Puts the copy in place of the live values in ``checkpoint``, if the module still holds the copied parameters."""
     params, state_dict = copied["params"], checkpoint["state_dict"]
-    named = module.named_parameters(remove_duplicate=False)
-    if any(p.requires_grad and params.get(name, (None,))[0] is not p for name, p in named):
+    named = dict(module.named_parameters(remove_duplicate=False))
+    if any(named.get(name) is not p for name, (p, _) in params.items()):
         return False
     if any(name not in state_dict for name in params):
         return False
@@ -174,6 +182,17 @@ def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.Light
     checkpoint.update(states)
     checkpoint[PRE_OPTIMIZER_STEP_KEY] = {"global_step": copied["global_step"]}
     return True
+
+
+def _optimized_parameters(trainer: "pl.Trainer") -> list[tuple[str, Tensor]]:
+    """The module's parameters that an optimizer holds: the set to copy, fixed for the fit.
+
+    Not the ones that require grad at the moment: ``toggle_optimizer`` and freezing change those within a fit, a batch
+    even, while the optimizers' parameters stay the same.
+
+    """
+    held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
+    return [(n, p) for n, p in trainer.lightning_module.named_parameters(remove_duplicate=False) if id(p) in held]
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
