@@ -39,7 +39,7 @@ class _PreStepCapture:
             self._every_n: Optional[list[int]] = sorted({c._every_n_train_steps for c in checkpoints})
         else:
             self._every_n = None
-        self._named_params = _optimized_parameters(trainer)
+        self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_states = with_states
         self._warning_cache = WarningCache()
         self._deferred: dict[ModelCheckpoint, Optional[Tensor]] = {}  # monitored value when a save was deferred
@@ -157,7 +157,7 @@ class _PreStepCapture:
             connector._checkpoint_transform = None
         if written == [False]:
             reason = "the module's parameters changed during the fit, or its state dict renames them"
-            self._named_params = _optimized_parameters(trainer)
+            self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         if checkpoint is self._checkpoints[-1] and not self._deferred:
             self.copy = None  # the last checkpoint that can use it has saved
         if reason is not None:
@@ -168,10 +168,10 @@ class _PreStepCapture:
 
 
 def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.LightningModule") -> bool:
-    """Puts the copy in place of the live values in ``checkpoint``, if the module still holds the copied parameters."""
+    """Puts the copy in place of the live values in ``checkpoint``, if it holds exactly the trainable parameters."""
     params, state_dict = copied["params"], checkpoint["state_dict"]
-    named = dict(module.named_parameters(remove_duplicate=False))
-    if any(named.get(name) is not p for name, (p, _) in params.items()):
+    named = module.named_parameters(remove_duplicate=False)
+    if any(p.requires_grad and params.get(name, (None,))[0] is not p for name, p in named):
         return False
     if any(name not in state_dict for name in params):
         return False
@@ -182,17 +182,6 @@ def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.Light
     checkpoint.update(states)
     checkpoint[PRE_OPTIMIZER_STEP_KEY] = {"global_step": copied["global_step"]}
     return True
-
-
-def _optimized_parameters(trainer: "pl.Trainer") -> list[tuple[str, Tensor]]:
-    """The module's parameters that an optimizer holds: the set to copy, fixed for the fit.
-
-    Not the ones that require grad at the moment: ``toggle_optimizer`` and freezing change those within a fit, a batch
-    even, while the optimizers' parameters stay the same.
-
-    """
-    held = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
-    return [(n, p) for n, p in trainer.lightning_module.named_parameters(remove_duplicate=False) if id(p) in held]
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
