@@ -338,8 +338,8 @@ def test_a_frozen_teacher_updated_in_place_before_the_score_does_not_matter(tmp_
 @pytest.mark.parametrize("manual", [False, True])
 def test_a_known_score_that_cannot_enter_the_top_k_is_not_copied(tmp_path, monkeypatch, manual):
     """The score is known at the step (logged in `training_step`); it falls, so with `mode="max"` only the first
-    save enters the top 1. Under manual optimization any batch may save (the number of steps it takes is not known
-    before the first), so batch 0 is copied too."""
+    save enters the top 1. Under manual optimization the first batch is copied too: how many steps a batch takes is
+    not known before one has ended."""
     copies = count_copies(monkeypatch)
     _, (ckpt,) = fit(tmp_path, Net(manual=manual), checkpoints=[checkpoint(tmp_path, save_top_k=1, mode="max")])
     assert_pairs(ckpt)

@@ -94,7 +94,8 @@ def test_a_step_lightning_does_not_see_falls_back_with_one_warning(tmp_path):
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, RawFirst(manual=True))
-    assert len(messages(caught, "the weights changed outside Lightning's optimizer steps")) == 1
+    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
+    assert warning.endswith("the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`).")
     assert_live(ckpt)
 
 
@@ -122,6 +123,31 @@ def test_a_raw_step_before_lightnings_first_step_falls_back(tmp_path):
 def test_gradient_accumulation_pairs_with_the_state_before_the_stepping_batch(tmp_path):
     _, (ckpt,) = fit(tmp_path, Net(manual=False), accumulate_grad_batches=2, max_steps=8)
     assert_pairs(ckpt)
+
+
+def test_a_batch_without_an_optimizer_step_that_enters_the_top_k_does_not_warn(tmp_path):
+    """`accumulate_grad_batches=2`: the save at global step 14 ends the stepping batch, whose score does not enter the
+    top 1; the next batch takes no step and ends at 14 too, and its score enters. Its live weights are the ones it
+    started with, so its file pairs without a copy and without a warning."""
+    # some steps climb, so the scores go up and down
+    lr_factors = [-1.0, -1.0, 1.0, -1.0, 2.0, -1.0, -1.0, -1.0, -1.0, -1.0, 2.0, 1.0, 2.0, 1.0, -1.0, 1.0]
+
+    class Zigzag(Net):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factors[step % 16])
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(
+            tmp_path, Zigzag(manual=False), checkpoints=[checkpoint(tmp_path, save_top_k=1)], accumulate_grad_batches=2
+        )
+    ((path, score),) = ckpt.best_k_models.items()
+    saved = load(path)
+    assert saved["global_step"] == 14
+    assert "pre_optimizer_step" not in saved  # saved by the batch without a step: nothing to swap
+    torch.testing.assert_close(score_of(saved["state_dict"]), score.float(), rtol=0, atol=0)
+    assert not messages(caught, "save_pre_optimizer_step_weights")
 
 
 class StateDictWithPrefix(Net):

@@ -33,17 +33,27 @@ class _PreStepCapture:
 
     def __init__(self, trainer: "pl.Trainer", checkpoints: list["ModelCheckpoint"], with_states: bool) -> None:
         self._checkpoints = checkpoints
-        # under automatic optimization a batch takes one step, so only the batches before a multiple of N may save
-        automatic = trainer.lightning_module.automatic_optimization
-        if automatic and all(c._train_time_interval is None for c in checkpoints):
+        # with `train_time_interval`, any batch may save; else those whose steps end on a multiple of N
+        if all(c._train_time_interval is None for c in checkpoints):
             self._every_n: Optional[list[int]] = sorted({c._every_n_train_steps for c in checkpoints})
         else:
             self._every_n = None
+        # how many optimizer steps the batches that stepped took; one under automatic optimization
+        self._steps_per_batch = {1} if trainer.lightning_module.automatic_optimization else set()
+        self._logged: dict[ModelCheckpoint, bool] = {}  # whether the batches that saved or deferred logged the monitor
+        self._start_step: Optional[int] = None
         self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_states = with_states
         self._warning_cache = WarningCache()
         self._deferred: dict[ModelCheckpoint, Optional[Tensor]] = {}  # monitored value when a save was deferred
-        self.reset()
+        self._free()
+
+    def _free(self) -> None:
+        """Drops what a batch held: the copy, and the values and versions read at its start."""
+        self.copy: Optional[dict[str, Any]] = None
+        self._versions: list[tuple[Tensor, int]] = []
+        self._start_values: dict[Optional[str], Optional[Tensor]] = {}
+        self._at_step: dict[Optional[str], Optional[Tensor]] = {}
 
     @classmethod
     def shared_by(cls, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> Optional["_PreStepCapture"]:
@@ -58,33 +68,33 @@ class _PreStepCapture:
             return None
         return cls(trainer, sharers, with_states)  # type: ignore[arg-type]
 
-    def reset(self) -> None:
-        self.copy: Optional[dict[str, Any]] = None
-        self._armed = self._stepped = False
-        self._versions: list[tuple[Tensor, int]] = []
-        self._start_values: dict[Optional[str], Optional[Tensor]] = {}
-
     def start_batch(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         if checkpoint is not self._checkpoints[0]:
             return
-        if self._armed:
-            self.reset()
-            self._deferred.clear()
-        step = trainer.global_step + 1
-        self._armed = self._every_n is None or any(step % n == 0 for n in self._every_n)
-        if self._armed:
-            self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad]
-            metrics = trainer.callback_metrics
-            self._start_values = {c.monitor: _value(metrics, c) for c in self._checkpoints}
+        step = trainer.global_step
+        if self._start_step is not None and step > self._start_step:  # the batch before took optimizer steps
+            self._steps_per_batch.add(step - self._start_step)
+        self._free()
+        self._deferred.clear()
+        self._start_step = step
+        self._stepped = self._outside = False
+        # a copy is of use if the batch's steps can end on a save: predicted from the steps of the batches before
+        steps, every_n = self._steps_per_batch, self._every_n
+        self._armed = every_n is None or not steps or any((step + k) % n == 0 for k in steps for n in every_n)
+        self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad] if self._armed else []
+        self._start_values = {c.monitor: _value(trainer.callback_metrics, c) for c in self._checkpoints}
 
     def before_optimizer_step(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
-        if checkpoint is not self._checkpoints[0] or self._stepped or not self._armed:
-            return  # only before the first step of a batch that may save
+        if checkpoint is not self._checkpoints[0] or self._stepped:
+            return  # only before the first step of a batch
         self._stepped = True
-        metrics = trainer.callback_metrics
-        if not any(self._needs_copy(c, _value(metrics, c)) for c in self._checkpoints):
-            return  # no save can use it
-        if self._changed():
+        if not self._armed:
+            return
+        self._at_step = {c.monitor: _value(trainer.callback_metrics, c) for c in self._checkpoints}
+        if not any(self._needs_copy(c, self._at_step[c.monitor]) for c in self._checkpoints):
+            return
+        self._outside = self._changed()
+        if self._outside:
             return  # the state the batch started with is gone
         clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
         trained = {p for p, _ in self._versions}  # and those that `toggle_optimizer` froze since the batch started
@@ -113,8 +123,9 @@ class _PreStepCapture:
         return any(p._version != version for p, version in self._versions)
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
-        if value is None or not self._logged_in_batch(checkpoint.monitor, value):
-            return True  # it may be logged after the step
+        if not self._logged_in_batch(checkpoint.monitor, value):
+            # it may be logged after the step, unless earlier batches never logged it (a validation score)
+            return self._logged.get(checkpoint, True)
         if checkpoint.save_top_k == -1 or len(checkpoint.best_k_models) < checkpoint.save_top_k:
             return True
         monitor_op = {"min": torch.lt, "max": torch.gt}[checkpoint.mode]
@@ -125,9 +136,24 @@ class _PreStepCapture:
         start = self._start_values.get(monitor)
         return value is not None and (start is None or not _same(value, start))
 
+    def _why_not_copied(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> str:
+        if not self._armed:
+            steps, known = trainer.global_step - self._start_step, sorted(self._steps_per_batch)
+            return f"the batch took {steps} optimizer steps, the batches before {known}, so no copy was expected of use"
+        if self._logged_in_batch(checkpoint.monitor, self._at_step[checkpoint.monitor]):
+            return "the value logged before the optimizer step could not enter the top-k, so nothing was copied"
+        return f"no training batch before had logged {checkpoint.monitor!r}, so nothing was copied"
+
     def defer(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         """Notes the monitored value of a save that ``checkpoint`` defers to the end of validation."""
-        self._deferred[checkpoint] = _value(trainer.callback_metrics, checkpoint)
+        self._deferred[checkpoint] = value = _value(trainer.callback_metrics, checkpoint)
+        self._learn(checkpoint, value)
+
+    def _learn(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> None:
+        """Notes whether the batch logged ``checkpoint``'s monitor: a monitor that none logs needs no copies."""
+        self._logged[checkpoint] = self._logged.get(checkpoint, False) or self._logged_in_batch(
+            checkpoint.monitor, value
+        )
 
     def deferred(self, checkpoint: "ModelCheckpoint") -> bool:
         return checkpoint in self._deferred
@@ -138,15 +164,16 @@ class _PreStepCapture:
         if checkpoint in self._deferred:  # at the end of validation: the batch's value, unless validation logged anew
             at_batch_end = self._deferred.pop(checkpoint)
             value = value if at_batch_end is not None and value is not None and _same(value, at_batch_end) else None
+        else:
+            self._learn(checkpoint, value)
         reason = None  # without a step in the batch, the live weights are the ones it started with
         if not self._logged_in_batch(monitor, value):
             reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, or a value"
             reason += " logged in an earlier batch)"
-        elif self.copy is None and (self._stepped or self._changed()):
-            reason = (
-                "the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`), or the"
-                " value known before the step could not enter the top-k, so nothing was copied"
-            )
+        elif self.copy is None and (self._outside if self._stepped else self._changed()):
+            reason = "the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`)"
+        elif self.copy is None and self._stepped:
+            reason = self._why_not_copied(trainer, checkpoint)
         written: list[bool] = []
         connector, copied = trainer._checkpoint_connector, self.copy
         if reason is None and copied is not None:
@@ -159,7 +186,7 @@ class _PreStepCapture:
             reason = "the module's parameters changed during the fit, or its state dict renames them"
             self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         if checkpoint is self._checkpoints[-1] and not self._deferred:
-            self.copy = None  # the last checkpoint that can use it has saved
+            self._free()  # the last checkpoint that can use the copy has saved
         if reason is not None:
             self._warning_cache.warn(
                 f"A top-k checkpoint of `ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)`"

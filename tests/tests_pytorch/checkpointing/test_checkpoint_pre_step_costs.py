@@ -1,0 +1,100 @@
+"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` (issue #20947): what the option copies.
+
+A copy is taken only in a batch whose optimizer steps can end on a save, predicted from the steps of the batches
+before, and not for a monitor that the batches which saved did not log.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
+    PROBE_X,
+    PROBE_Y,
+    Gan,
+    Net,
+    assert_pairs,
+    checkpoint,
+    count_copies,
+    fit,
+    load,
+    messages,
+    own_warning_cache,  # noqa: F401  (autouse here too)
+    recorded_warnings,
+    score_of,
+)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_monitor_that_no_training_batch_logs_takes_no_copies(tmp_path, monkeypatch, manual):
+    """A validation score cannot be paired: once a save at a batch end has shown that the batch did not log it, no
+    batch copies for it. Before that, the batches whose steps end on a save copy (1 and 3 defer their saves until the
+    first validation, after batch 4, has logged the score; 5 saves); under manual optimization the first batch too,
+    as how many steps a batch takes is not known before one has ended. Without that rule, every second batch copies."""
+    copies = count_copies(monkeypatch)
+    ckpt = checkpoint(tmp_path, monitor="val_loss", save_top_k=-1)
+    fit(tmp_path, Net(manual=manual), checkpoints=[ckpt], max_steps=24, limit_val_batches=1, val_check_interval=4)
+    assert ckpt.best_k_models
+    assert copies == ([0, 1, 3, 5] if manual else [1, 3, 5])
+
+
+@pytest.mark.parametrize(
+    ("model", "copied"), [(Net(log_in="after_step"), [0, 3, 7, 11, 15]), (Gan(), [0, 2, 6, 10, 14])]
+)
+def test_manual_optimization_copies_only_in_batches_whose_steps_end_on_a_save(tmp_path, monkeypatch, model, copied):
+    """`every_n_train_steps=4`, a score known only after the step: the batches copy whose steps, as many as the batch
+    before took (one, or the GAN's two), end on a multiple of 4; the first batch copies, as nothing is known yet."""
+    copies = count_copies(monkeypatch)
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)])
+    assert copies == copied  # the global step at each copy, before the batch's steps
+    assert sorted(load(path)["global_step"] for path in ckpt.best_k_models) == [4, 8, 12, 16]
+    assert_pairs(ckpt)
+    assert not messages(caught, "save_pre_optimizer_step_weights")
+
+
+def test_a_batch_that_takes_more_steps_than_those_before_holds_the_live_state_with_one_warning(tmp_path):
+    """One step a batch, but two in the batch that starts at global step 6: it ends on the save at 8, which no batch
+    before predicted, so nothing was copied for it. Its file holds the live state, unmarked, as without the option."""
+
+    class TwoStepsOnce(Net):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            if self.trainer.global_step == 7:
+                self.optimizers().step()
+            return out
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(
+            tmp_path, TwoStepsOnce(), checkpoints=[checkpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)]
+        )
+    files = {load(path)["global_step"]: (load(path), score) for path, score in ckpt.best_k_models.items()}
+    assert sorted(files) == [4, 8, 12, 16]
+    saved, score = files.pop(8)
+    assert "pre_optimizer_step" not in saved
+    assert not torch.equal(score_of(saved["state_dict"]), score.float())
+    for saved, score in files.values():
+        assert saved["pre_optimizer_step"]["global_step"] == saved["global_step"] - 1
+        torch.testing.assert_close(score_of(saved["state_dict"]), score.float(), rtol=0, atol=0)
+    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
+    assert "the batch took 2 optimizer steps, the batches before [1]" in warning
+
+
+def test_each_warning_names_one_cause(tmp_path):
+    """The score logged before the step cannot enter the top 1, so nothing is copied; a better value is logged after the
+    step, which enters it. The warning says that, not that the weights changed outside Lightning's steps."""
+
+    class BetterAfterTheStep(Net):
+        def training_step(self, batch, batch_idx):
+            self.log("score", torch.tensor(1e6))  # worse than any score saved, with mode="min"
+            super().training_step(batch, batch_idx)
+            self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y).detach())
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, BetterAfterTheStep(log_in=None), checkpoints=[checkpoint(tmp_path, save_top_k=1)])
+    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
+    assert warning.endswith(
+        "holds the live weights, after the optimizer step, as without the option: the value logged before the optimizer"
+        " step could not enter the top-k, so nothing was copied."
+    )
+    assert "pre_optimizer_step" not in load(ckpt.best_model_path)
