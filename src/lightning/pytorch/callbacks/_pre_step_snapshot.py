@@ -41,7 +41,7 @@ class _PreStepCapture:
         # how many optimizer steps the batches that stepped took; one under automatic optimization
         self._steps_per_batch = {1} if trainer.lightning_module.automatic_optimization else set()
         self._logged: dict[ModelCheckpoint, bool] = {}  # whether the batches that saved or deferred logged the monitor
-        self._start_step: Optional[int] = None
+        self._start_step = -1  # the global step at the start of the batch, once one has started
         self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         self._with_states = with_states
         self._warning_cache = WarningCache()
@@ -72,7 +72,7 @@ class _PreStepCapture:
         if checkpoint is not self._checkpoints[0]:
             return
         step = trainer.global_step
-        if self._start_step is not None and step > self._start_step:  # the batch before took optimizer steps
+        if 0 <= self._start_step < step:  # the batch before took optimizer steps
             self._steps_per_batch.add(step - self._start_step)
         self._free()
         self._deferred.clear()
@@ -123,7 +123,7 @@ class _PreStepCapture:
         return any(p._version != version for p, version in self._versions)
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
-        if not self._logged_in_batch(checkpoint.monitor, value):
+        if value is None or not self._logged_in_batch(checkpoint.monitor, value):
             # it may be logged after the step, unless earlier batches never logged it (a validation score)
             return self._logged.get(checkpoint, True)
         if checkpoint.save_top_k == -1 or len(checkpoint.best_k_models) < checkpoint.save_top_k:
