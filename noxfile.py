@@ -67,10 +67,11 @@ def _fork_version() -> str:
     """What this checkout builds (``2.6.6+patchset.N``), from its pin (read by the tool's own parser)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
+        from patchset.build_label import build_pin
         from patchset.pin import read_pin
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    return read_pin(ROOT).fork_version
+    return build_pin(ROOT, read_pin(ROOT)).fork_version
 
 
 def _version(v: str) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from patchset.pin import read_pin
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools"
 PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"  # the project's identity in its patches
-FORK = read_pin(REPO).fork_version  # what this checkout builds, e.g. 2.6.6+patchset.1
+FORK = read_pin(REPO).fork_version  # what a copy of this checkout without git history builds, e.g. 2.6.6+patchset.1
 DEMO = "src/lightning/fabric/utilities/_patchset_demo.py"  # a new file the tool tests add to a copy of the project
 
 

@@ -36,8 +36,9 @@ def test_release_tags_the_commit_then_moves_the_label(checkout: Path, run_cli):
     assert proc.returncode == 0, proc.stderr
     tag = f"v{FORK}"
     released = git(checkout, "rev-parse", f"{tag}^{{commit}}")
+    head = git(checkout, "rev-parse", "HEAD")  # the commit that starts the next label, one after the release
     assert proc.stdout.splitlines() == [
-        f"released {FORK}: tag {tag} at {released[:12]}; this checkout now builds {NEXT}",
+        f"released {FORK}: tag {tag} at {released[:12]}; this checkout now builds {FORK}.1.g{head[:7]}",
         f"nothing was pushed; to publish: git push origin HEAD {tag} (the release workflow attaches the wheels)",
     ]
     # the tagged commit is the release: its CHANGELOG names it, its pin builds it
@@ -105,7 +106,7 @@ def test_a_tag_and_a_commit_pin_install_from_a_fresh_venv(checkout: Path, run_cl
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_python(bundled_pip_venv, "import lightning; print(lightning.__version__)") == FORK
 
-    commit = git(clone, "rev-parse", "HEAD")  # after the release: the next label
+    commit = git(clone, "rev-parse", "HEAD")  # after the release: its label, one commit since, and the commit
     consumer = checkout.parent / "consumer"
     write(
         consumer / "pyproject.toml",
@@ -114,4 +115,4 @@ def test_a_tag_and_a_commit_pin_install_from_a_fresh_venv(checkout: Path, run_cl
     )
     proc = pip(bundled_pip_venv, "install", "--no-build-isolation", str(consumer))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert run_python(bundled_pip_venv, "import lightning; print(lightning.__version__)") == NEXT
+    assert run_python(bundled_pip_venv, "import lightning; print(lightning.__version__)") == f"{FORK}.1.g{commit[:7]}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from patchset import PatchsetError, flavours
+from patchset.build_label import build_pin
 from patchset.fork_metadata import fork_metadata, fork_url
 from patchset.materialize import build_tree
-from patchset.pin import read_pin
+from patchset.pin import PIN_FILE, read_pin
 from patchset.reproducible import finish_wheel
 
 _T = TypeVar("_T")
@@ -162,7 +164,7 @@ def build_editable(
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """A self-contained sdist of the patch set: pin, patches, our files and this tool; upstream is fetched at build."""
     project = _project()
-    pin = read_pin(project)
+    pin = build_pin(project, read_pin(project))
     stem = f"{pin.name}-{pin.fork_version}"
     with tempfile.TemporaryDirectory() as meta_dir:
         dist_info = prepare_metadata_for_build_wheel(meta_dir, config_settings)
@@ -173,8 +175,11 @@ def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) ->
             info = tar.gettarinfo(str(project / rel), arcname=f"{stem}/{rel}")
             info.uid = info.gid = 0
             info.uname = info.gname = ""
-            with open(project / rel, "rb") as fh:
-                tar.addfile(info, fh)
+            data = (project / rel).read_bytes()
+            if Path(rel) == PIN_FILE:  # a build from the sdist, which has no git, keeps the label it was made with
+                data = re.sub(rb"(?m)^local-version = .*$", f"local-version = {pin.local_version}".encode(), data)
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
         info = tarfile.TarInfo(f"{stem}/PKG-INFO")
         info.size = len(pkg_info)
         info.mode = 0o644

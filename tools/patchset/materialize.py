@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.build_label import build_pin
 from patchset.gitops import am, git, init_repo
 from patchset.pin import Pin, cache_dir, extract_sdist, fetch_sdist, read_pin
 from patchset.sections import NOTES_REF, exclude_args, shipped_files, upstream_only, write_note
@@ -209,7 +210,7 @@ def build_tree(project: Path, dest: Path, link: bool = False) -> Path:
     shutil.copytree(source, dest, symlinks=True, ignore=shutil.ignore_patterns(".complete"))
     files = check_overlay(project, dest)
     lay_overlay(project, dest, files, link=link)
-    write_version(dest, pin)
+    write_version(dest, build_pin(project, pin))
     return dest
 
 

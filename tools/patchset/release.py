@@ -4,8 +4,9 @@ The label (``local-version`` in ``patches/upstream.pin``, ``patchset.N``) is bum
 from the series: a label computed from the patches (a count, a digest) would change with every commit that touches
 them, name no decision, and a digest does not sort. :func:`release` tags the checkout's commit as the release its pin
 names (``v2.6.6+patchset.N``, after the CHANGELOG's ``[Unreleased]`` section becomes that release's), then moves the
-pin to ``patchset.N+1`` at once, so a build of any later commit never carries a released version, and writes the
-release commit's full hash under the release's heading (:func:`commit_line`). That hash is what users pin: a clone
+pin to ``patchset.N+1`` at once, and writes the release commit's full hash under the release's heading
+(:func:`commit_line`): a build of a later commit then carries the release's label, the commits since and the commit
+(``build_label``), never a released version. That hash is what users pin: a clone
 of the repository has every commit of main but no tags, so a pin on the tag resolves only where the tag was pushed.
 ``rebase`` starts a new upstream version at ``patchset.1``. Nothing is pushed.
 """
@@ -18,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.build_label import build_pin
 from patchset.gitops import git, is_clean, out
 from patchset.pin import PIN_FILE, read_pin, write_pin
 
@@ -29,7 +31,7 @@ _NEXT_SECTION = re.compile(r"^## \[", re.MULTILINE)
 
 @dataclass(frozen=True)
 class Release:
-    """What :func:`release` did: the version it tagged, the tag, its commit, and the label main carries now."""
+    """What :func:`release` did: the version it tagged, the tag, its commit, and the version a build carries now."""
 
     version: str
     tag: str
@@ -103,4 +105,4 @@ def release(project: Path, date: str | None = None) -> Release:
     changelog.write_text(text.replace(released, "## [Unreleased]\n\n" + released_with_commit, 1), encoding="utf-8")
     message = f"Start {following.fork_version}: builds after the {tag} release carry the next label"
     git(project, "commit", "-q", "-m", message, "--", str(CHANGELOG), str(PIN_FILE), isolated=False)
-    return Release(version, tag, commit, following.fork_version)
+    return Release(version, tag, commit, build_pin(project, following).fork_version)

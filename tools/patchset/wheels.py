@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.build_label import build_pin
 from patchset.flavours import PACKAGE_NAME_ENV
 from patchset.pin import read_pin
 
@@ -18,7 +19,7 @@ def build(project: Path, dist: Path, flavour: str | None = None) -> Path:
 
     ``flavour`` (``pytorch`` or ``fabric``) builds the ``pytorch-lightning`` or ``lightning-fabric`` distribution.
     """
-    pin = read_pin(project)
+    pin = build_pin(project, read_pin(project))
     dist.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != PACKAGE_NAME_ENV}
     if flavour:
