@@ -330,3 +330,44 @@ def test_without_the_option_files_hold_the_live_weights(tmp_path):
     _, _ = fit(tmp_path, Net(manual=True), checkpoints=[ckpt])
     assert ckpt._pre_step is None
     assert_live(ckpt)
+
+
+def test_a_score_first_logged_between_two_steps_holds_the_live_state_with_one_warning(tmp_path):
+    """Lightning's GAN example steps the generator first, then logs the discriminator's loss, computed on samples of
+    the stepped generator, before the discriminator's step: no state of the batch computed it, so no file is marked."""
+
+    class GeneratorFirst(Net):
+        def __init__(self):
+            super().__init__(manual=True, log_in=None)
+            self.gen = nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opt_g, opt_d = self.optimizers()
+            opt_g.zero_grad()
+            self.manual_backward(-nn.functional.mse_loss(self.head(self.gen(x)), y))
+            opt_g.step()
+            d_loss = nn.functional.mse_loss(self.head(self.gen(PROBE_X).detach()), PROBE_Y)
+            self.log("score", d_loss.detach())
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.head.parameters(), lr=0.05)
+
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, GeneratorFirst(), checkpoints=[checkpoint(tmp_path, every_n_train_steps=4)])
+    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
+    assert "'score' was first logged between two optimizer steps of the batch" in warning
+    assert ckpt.best_k_models
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+
+
+def test_a_checkpoint_ranked_by_the_step_keeps_the_live_state_without_a_warning(tmp_path):
+    """`monitor="step", mode="max"` keeps the newest files: the trainer's count ranks them, which the live state has."""
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, Net(), checkpoints=[checkpoint(tmp_path, monitor="step", mode="max")])
+    assert sorted(load(path)["global_step"] for path in ckpt.best_k_models) == [12, 14, 16]
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+    assert not messages(caught, "save_pre_optimizer_step_weights")

@@ -24,6 +24,8 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 
+_COUNTERS = ("epoch", "step")  # monitors that `ModelCheckpoint` adds from the trainer's progress
+
 #: Key of a checkpoint that holds the state from before the optimizer steps of the batch at whose end it was saved.
 PRE_OPTIMIZER_STEP_KEY = "pre_optimizer_step"
 
@@ -54,6 +56,7 @@ class _PreStepCapture:
         self._versions: list[tuple[Tensor, int]] = []
         self._start_values: dict[Optional[str], Optional[Tensor]] = {}
         self._at_step: dict[Optional[str], Optional[Tensor]] = {}
+        self._between: set[Optional[str]] = set()
 
     @classmethod
     def shared_by(cls, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> Optional["_PreStepCapture"]:
@@ -74,6 +77,11 @@ class _PreStepCapture:
         step = trainer.global_step
         if 0 <= self._start_step < step:  # the batch before took optimizer steps
             self._steps_per_batch.add(step - self._start_step)
+        if self._start_values:  # the batch before could save: a monitor it did not log, no batch logs before saving
+            metrics = trainer.callback_metrics
+            for c in self._checkpoints:
+                if not self._logged.get(c) and not self._logged_in_batch(c.monitor, _value(metrics, c)):
+                    self._logged[c] = False
         self._free()
         self._deferred.clear()
         self._start_step = step
@@ -86,8 +94,18 @@ class _PreStepCapture:
             self._start_values = {c.monitor: _value(trainer.callback_metrics, c) for c in self._checkpoints}
 
     def before_optimizer_step(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
-        if checkpoint is not self._checkpoints[0] or self._stepped:
-            return  # only before the first step of a batch
+        if checkpoint is not self._checkpoints[0]:
+            return
+        if self._stepped:  # a value first logged between two steps was computed after the first (a GAN's loss)
+            if self._armed:
+                metrics, at_step = trainer.callback_metrics, self._at_step
+                self._between.update(
+                    c.monitor
+                    for c in self._checkpoints
+                    if not self._logged_in_batch(c.monitor, at_step[c.monitor])
+                    and self._logged_in_batch(c.monitor, _value(metrics, c))
+                )
+            return
         self._stepped = True
         if not self._armed:
             return
@@ -124,6 +142,8 @@ class _PreStepCapture:
         return any(p._version != version for p, version in self._versions)
 
     def _needs_copy(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
+        if checkpoint.monitor in _COUNTERS:
+            return False  # the trainer's own count ranks the live state
         if value is None or not self._logged_in_batch(checkpoint.monitor, value):
             # it may be logged after the step, unless earlier batches never logged it (a validation score)
             return self._logged.get(checkpoint, True)
@@ -140,10 +160,10 @@ class _PreStepCapture:
     def _why_not_copied(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> str:
         if not self._armed:
             steps, known = trainer.global_step - self._start_step, sorted(self._steps_per_batch)
-            return f"the batch took {steps} optimizer steps, the batches before {known}, so no copy was expected of use"
+            return f"the batch took {steps} optimizer step(s) where those before took {known}, so nothing was copied"
         if self._logged_in_batch(checkpoint.monitor, self._at_step[checkpoint.monitor]):
             return "the value logged before the optimizer step could not enter the top-k, so nothing was copied"
-        return f"no training batch before had logged {checkpoint.monitor!r}, so nothing was copied"
+        return f"the batches that could save before had not logged {checkpoint.monitor!r}, so nothing was copied"
 
     def defer(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         """Notes the monitored value of a save that ``checkpoint`` defers to the end of validation."""
@@ -168,16 +188,23 @@ class _PreStepCapture:
         else:
             self._learn(checkpoint, value)
         reason = None  # without a step in the batch, the live weights are the ones it started with
-        if not self._logged_in_batch(monitor, value):
+        if monitor in _COUNTERS:
+            pass  # the file is ranked by the step or epoch that the live state reached
+        elif not self._logged_in_batch(monitor, value):
             reason = f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, or a value"
             reason += " logged in an earlier batch)"
+        elif monitor in self._between:
+            reason = (
+                f"{monitor!r} was first logged between two optimizer steps of the batch, so it was computed after the"
+                " first (as a GAN's loss computed after the other optimizer's step)"
+            )
         elif self.copy is None and (self._outside if self._stepped else self._changed()):
             reason = "the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`)"
         elif self.copy is None and self._stepped:
             reason = self._why_not_copied(trainer, checkpoint)
         written: list[bool] = []
         connector, copied = trainer._checkpoint_connector, self.copy
-        if reason is None and copied is not None:
+        if reason is None and copied is not None and monitor not in _COUNTERS:
             connector._checkpoint_transform = lambda c: written.append(_write(copied, c, trainer.lightning_module))
         try:
             trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
@@ -187,7 +214,7 @@ class _PreStepCapture:
             reason = "the module's parameters changed during the fit, or its state dict renames them"
             self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
         if checkpoint is self._checkpoints[-1] and not self._deferred:
-            self._free()  # the last checkpoint that can use the copy has saved
+            self.copy = None  # the last checkpoint that can use it has saved
         if reason is not None:
             self._warning_cache.warn(
                 f"A top-k checkpoint of `ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)`"
