@@ -11,9 +11,9 @@ import pytest
 
 def pytest_configure(config):
     with contextlib.suppress(ImportError):  # the tool's tests also run before the fork is installed
-        from lightning.fabric.utilities.testing import port_reruns
+        from lightning.fabric.utilities.testing import _port_reruns
 
-        port_reruns.register(config)
+        _port_reruns.register(config)
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@
   goes on a test only where it cannot change what the suite does: never under ``--pdb``/``--trace``, never on a test
   with a ``flaky`` marker of its own, never when the suite reruns every test (``--reruns``, ``reruns`` ini). Written
   here in full (``MARKER_DESIGN``), without a clean-up between attempts.
-* ``protocol``: ``lightning.fabric.utilities.testing.port_reruns``, which decides from the failure in
+* ``protocol``: ``lightning.fabric.utilities.testing._port_reruns``, which decides from the failure in
   ``pytest_runtest_makereport`` and reruns through pytest's own ``pytest_runtest_protocol`` hook.
 
 Every suite runs without a plugin and with each design; a behaviour holds when the design's run reports exactly what
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 
-from lightning.fabric.utilities.testing import port_reruns
+from lightning.fabric.utilities.testing import _port_reruns
 from tests_fabric.helpers.inner_pytest import REGISTER, run_pytest
 from tests_fabric.utilities import test_port_reruns as suites
 
@@ -110,22 +110,22 @@ def main() -> None:
             rows[-1].append(run.attempts().get("hangs") == 2 and "Failed: Timeout" in run.result.stdout)
     parts = {  # the protocol design's code, by what it is for
         "deciding and rerunning": [
-            port_reruns.is_port_conflict,
-            port_reruns.pytest_runtest_protocol,
-            port_reruns.pytest_runtest_makereport,
-            port_reruns.pytest_report_teststatus,
-            port_reruns._reruns_allowed,
-            port_reruns._suite_reruns,
+            _port_reruns.is_port_conflict,
+            _port_reruns.pytest_runtest_protocol,
+            _port_reruns.pytest_runtest_makereport,
+            _port_reruns.pytest_report_teststatus,
+            _port_reruns._reruns_allowed,
+            _port_reruns._suite_reruns,
         ],
         "clean-up before a rerun": [
-            port_reruns.pytest_runtest_call,
-            port_reruns._Attempt,
-            port_reruns._process_group_initialized,
+            _port_reruns.pytest_runtest_call,
+            _port_reruns._Attempt,
+            _port_reruns._process_group_initialized,
         ],
         "enabling, settings and summary": [
-            port_reruns.register,
-            port_reruns.pytest_configure,
-            port_reruns.pytest_terminal_summary,
+            _port_reruns.register,
+            _port_reruns.pytest_configure,
+            _port_reruns.pytest_terminal_summary,
         ],
     }
     sizes = {part: sum(_code_lines(textwrap.dedent(inspect.getsource(f))) for f in fs) for part, fs in parts.items()}

@@ -38,10 +38,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 #: the plugin registered the way upstream's conftests do
 REGISTER = """
-from lightning.fabric.utilities.testing import port_reruns
+from lightning.fabric.utilities.testing import _port_reruns
 
 def pytest_configure(config):
-    port_reruns.register(config)
+    _port_reruns.register(config)
 """
 
 #: ``store_on_busy_port()`` fails as a ``TCPStore`` fails when another process took its port

@@ -25,7 +25,7 @@ import pytest
 from lightning_utilities.core.imports import RequirementCache
 from torch.distributed import TCPStore
 
-from lightning.fabric.utilities.testing.port_reruns import is_port_conflict
+from lightning.fabric.utilities.testing._port_reruns import is_port_conflict
 from tests_fabric.helpers.inner_pytest import REGISTER, run_pytest
 
 _XDIST = RequirementCache("pytest-xdist")
@@ -151,9 +151,9 @@ _LOSES_PORT_ONCE = """
     ("args", "conftest"),
     [
         ([], REGISTER),
-        (["-p", "lightning.fabric.utilities.testing.port_reruns"], ""),
-        ([], "pytest_plugins = ['lightning.fabric.utilities.testing.port_reruns']\n"),
-        (["-p", "lightning.fabric.utilities.testing.port_reruns"], REGISTER),  # both ways: registered once
+        (["-p", "lightning.fabric.utilities.testing._port_reruns"], ""),
+        ([], "pytest_plugins = ['lightning.fabric.utilities.testing._port_reruns']\n"),
+        (["-p", "lightning.fabric.utilities.testing._port_reruns"], REGISTER),  # both ways: registered once
     ],
     ids=["register", "-p", "pytest_plugins", "both"],
 )
@@ -255,7 +255,7 @@ _TIMED = """
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("args", "conftest"), [([], REGISTER), (["-p", "lightning.fabric.utilities.testing.port_reruns"], "")]
+    ("args", "conftest"), [([], REGISTER), (["-p", "lightning.fabric.utilities.testing._port_reruns"], "")]
 )
 def test_a_rerun_is_timed_as_any_attempt(tmp_path, args, conftest):
     """The rerun goes through every hook of the protocol again: pytest-timeout's timer stops a hanging rerun."""

@@ -13,9 +13,9 @@
 # limitations under the License.
 """A pytest plugin that reruns a test which failed because a network port it needed was taken (``EADDRINUSE``).
 
-Enable it with ``-p lightning.fabric.utilities.testing.port_reruns``, with ``pytest_plugins`` in a ``conftest.py``, or
-with ``port_reruns.register(config)`` in ``pytest_configure(config)`` of a ``conftest.py``; ``-p no:<this module>``
-disables it.
+Enable it with ``-p lightning.fabric.utilities.testing._port_reruns``, with ``pytest_plugins`` in a ``conftest.py``,
+or with ``_port_reruns.register(config)`` in ``pytest_configure(config)`` of a ``conftest.py``; ``-p no:<this
+module>`` disables it.
 
 The rule: a test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0`` turns reruns off), when its
 setup or call failed with a port conflict: the exception, or one it was raised from or while handling, is an
