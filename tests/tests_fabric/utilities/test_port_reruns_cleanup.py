@@ -19,6 +19,7 @@ The inner suites start real processes with Lightning's own subprocess launcher, 
 
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -26,13 +27,14 @@ import pytest
 from tests_fabric.helpers.inner_pytest import REGISTER, run_pytest
 
 _LAUNCHES = """
-    import subprocess, sys, time
+    import subprocess, sys, threading, time
     import pytest
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.fabric.strategies.launchers import subprocess_script
 
     SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
     launched = []  # the launcher's Popen objects, kept across the attempts
+    launchers, observers = [], []  # the first attempt's launcher and the observer thread it started
 
     @pytest.fixture(scope="session")
     def session_helper():
@@ -50,11 +52,17 @@ _LAUNCHES = """
             launcher = subprocess_script._SubprocessScriptLauncher(LightningEnvironment(), num_processes=3, num_nodes=1)
             launcher.launch(lambda: None)
             launched.extend(launcher.procs)
+            launchers.append(launcher)
+            observers.extend(t for t in threading.enumerate() if isinstance(t, subprocess_script._ChildProcessObserver))
             own_child = subprocess.Popen(SLEEP)  # started by the test, but not by a launcher
             write("launched", [p.pid for p in launched] + [own_child.pid])
             store_on_busy_port()
         # the rerun: the first attempt's launcher children were killed, as their owner's Popen objects say
         write("returncodes", [p.poll() for p in launched])
+        # the observer still watches its launcher's own list, and it stopped without killing this process
+        observer = observers[0]
+        observer.join(timeout=10)
+        write("observer", [len(observers), observer._child_processes is launchers[0].procs, observer.is_alive()])
         assert session_helper.poll() is None
 
     def test_later():
@@ -86,6 +94,7 @@ def test_only_the_launcher_children_of_the_failed_test_are_killed_and_only_befor
         assert "2 passed" in run.result.stdout if rerun else "1 failed, 1 passed" in run.result.stdout
         if rerun:
             assert _pids(tmp_path, "returncodes") == [-signal.SIGKILL] * 2
+            assert (tmp_path / "observer").read_text() == "1 True False"
             assert [_alive(pid) for pid in launched] == [False, False, True]
         else:  # no rerun follows: nothing is killed, as without the plugin
             assert all(_alive(pid) for pid in launched)
@@ -94,6 +103,30 @@ def test_only_the_launcher_children_of_the_failed_test_are_killed_and_only_befor
         for pid in launched:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+_KILL_CHILDREN = """
+import os, subprocess, sys
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+for _ in range(20):
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    # an observer that looks all the time: it sees the kills at once, and must not take them for a failure
+    observer = _ChildProcessObserver(main_pid=os.getpid(), child_processes=children, sleep_period=0)
+    observer.start()
+    observer.kill_children()
+    observer.join(timeout=10)
+    assert [child.returncode for child in children] == [-9, -9] and not observer.is_alive()
+print("alive")
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_the_launcher_observer_kills_its_children_without_terminating_the_main_process():
+    """``_ChildProcessObserver.kill_children``, which the plugin calls: the observer would kill pytest otherwise."""
+    result = subprocess.run([sys.executable, "-c", _KILL_CHILDREN], capture_output=True, text=True, timeout=240)
+    assert (result.returncode, result.stdout) == (0, "alive\n"), result.stderr[-3000:]
 
 
 _SESSION_PROCESS_GROUP = """

@@ -34,8 +34,8 @@ when:
 
 A worker that crashes under pytest-xdist is not a port conflict: it is left to xdist and the suite's settings. Before
 a rerun, the failed attempt is cleaned up, only as far as the test function itself left it: the processes of
-Lightning's subprocess launchers that it started and that still run get ``SIGKILL`` (through the launcher's own
-``Popen`` objects), a default process group it initialized is destroyed, and environment variables it changed, and
+Lightning's subprocess launchers that it started and that still run are killed (through their observer's
+``kill_children``), a default process group it initialized is destroyed, and environment variables it changed, and
 that its teardown did not change again, are put back. Reruns are reported as ``rerun`` (``R``), and listed at the end
 of the session, with pytest-xdist too.
 
@@ -204,12 +204,7 @@ class _Attempt:
 
         for thread in threading.enumerate():
             if isinstance(thread, _ChildProcessObserver) and thread not in self._threads:
-                # the observer would kill this process on seeing a child killed: it watches no process from now on
-                processes, thread._child_processes = thread._child_processes, []
-                for process in processes:
-                    if process.poll() is None:
-                        process.kill()
-                        process.wait()
+                thread.kill_children()  # the launcher's children that still run; the observer takes it for no failure
         if not self._process_group_before and _process_group_initialized():
             import torch.distributed
 
