@@ -18,11 +18,20 @@ or with ``_port_reruns.register(config)`` in ``pytest_configure(config)`` of a `
 module>`` disables it.
 
 The rule: a test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0`` turns reruns off), when its
-setup or call failed with a port conflict: the exception, or one it was raised from or while handling, is an
-``OSError`` with ``errno`` ``EADDRINUSE``, or an ``Exception`` whose message says ``EADDRINUSE`` or "address already
-in use" (``TCPStore``'s ``DistNetworkError``, gloo's errors). The test's own verdict ends the search: an
-``AssertionError``, or what is not an ``Exception`` (``pytest.fail``, ``pytest.skip``), is never a port conflict,
-whatever it was raised while handling. The rerun is
+setup or call failed with a port conflict, as the failure shows it: the exception, or one it was raised from or while
+handling, is
+
+* an ``OSError`` with ``errno`` ``EADDRINUSE``;
+* an ``Exception`` whose message says ``EADDRINUSE`` or "address already in use": ``TCPStore``'s
+  ``DistNetworkError``, gloo's errors, and ``torch.multiprocessing``'s ``ProcessRaisedException``, which carries the
+  traceback of a spawned child (``ddp_spawn``, ``mp.spawn``);
+* a ``subprocess.CalledProcessError`` or ``TimeoutExpired`` whose captured output (``stderr``, ``output``) says so:
+  ``subprocess.run(..., capture_output=True, check=True)``, ``check_output``. Never its command line.
+
+Only lines that do not start with whitespace count (not a traceback's source lines). The test's own verdict ends the
+search: an ``AssertionError``, or what is not an ``Exception`` (``pytest.fail``), is never a port conflict. Not
+recognised: output the test did not capture or checks itself (``assert subprocess.call(...) == 0``), and a child that
+died without a traceback (``ProcessExitedException``). The rerun is
 pytest's own protocol run again, as if the test came next: fixtures that the next test would share stay set up,
 those that pytest tore down after the failed attempt (it was their last test) are set up again, and a wider-scoped
 fixture that failed keeps its error for its scope, as pytest keeps it. Nothing else is changed, and nothing at all
@@ -43,6 +52,7 @@ of the session, with pytest-xdist too.
 
 import errno
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Generator
@@ -67,19 +77,21 @@ def register(config: pytest.Config) -> None:
 
 
 def is_port_conflict(exception: Optional[BaseException]) -> bool:
-    """Whether ``exception``, or one it was raised from or while handling, says that a port was taken.
-
-    An ``AssertionError``, or an exception that is not an ``Exception`` (``pytest.fail``), is the test's own verdict:
-    ``False``, whatever it was raised while handling.
-
-    """
+    """Whether ``exception``, or one it was raised from or while handling, shows that a port was taken."""
     while exception is not None:
         if isinstance(exception, AssertionError) or not isinstance(exception, Exception):
-            return False
+            return False  # the test's own verdict
         if isinstance(exception, OSError) and exception.errno in _EADDRINUSE:
             return True
-        if any(m in str(exception).lower() for m in _MESSAGES):
-            return True
+        if isinstance(exception, subprocess.SubprocessError):  # its message is its command line: the child's output
+            texts = [getattr(exception, "stderr", None), getattr(exception, "output", None)]
+        else:
+            texts = [str(exception)]
+        for text in texts:
+            text = text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+            lines = [line.lower() for line in text.splitlines() if not line[:1].isspace()]
+            if any(message in line for line in lines for message in _MESSAGES):
+                return True
         exception = exception.__cause__ or (None if exception.__suppress_context__ else exception.__context__)
     return False
 
