@@ -5,12 +5,13 @@
   with a ``flaky`` marker of its own, never when the suite reruns every test (``--reruns``, ``reruns`` ini). Written
   here in full (``MARKER_DESIGN``), without a clean-up between attempts.
 * ``protocol``: ``lightning.fabric.utilities.testing._port_reruns``, which decides from the failure in
-  ``pytest_runtest_makereport`` and reruns through pytest's own ``pytest_runtest_protocol`` hook.
+  ``pytest_runtest_makereport`` and reruns through pytest's own ``pytest_runtest_protocol`` hook, each attempt a
+  protocol call of its own.
 
 Every suite runs without a plugin and with each design; a behaviour holds when the design's run reports exactly what
 the run without a plugin reports (every phase of every test, the attempts, the exit status), or, for the suites that
-lose a port, when the test is rerun to a pass. The suites are those of
-``tests/tests_fabric/utilities/test_port_reruns.py``.
+lose a port, when the test is rerun to a pass, and for the last three, when the run reports as the plugin's tests
+require. The suites are those of ``tests/tests_fabric/utilities/test_port_reruns*.py``.
 
 Run from the repository root, with the fork, pytest-rerunfailures and pytest-xdist installed (a few minutes)::
 
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import textwrap
 import tokenize
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
@@ -31,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 from lightning.fabric.utilities.testing import _port_reruns
 from tests_fabric.helpers.inner_pytest import REGISTER, run_pytest
 from tests_fabric.utilities import test_port_reruns as suites
+from tests_fabric.utilities import test_port_reruns_evidence as evidence
+from tests_fabric.utilities import test_port_reruns_fixtures as fixtures
+from tests_fabric.utilities import test_port_reruns_junit as junit
 
 MARKER_DESIGN = """
 import contextlib
@@ -65,6 +70,7 @@ SAME = [  # (name, suite, args, ini, stdin): the run must be the same as without
 ]
 RERUN = [("loses its port once", []), ("loses its port once, -n 2", ["-n", "2"])]
 TIMED = ["--timeout", "3", "--timeout-method", "signal"]  # the rerun hangs: pytest-timeout must stop it
+CHILDREN_FAIL = dict.fromkeys(("command_line", "source_line", "not_captured"), 1)  # not port conflicts: no rerun
 
 
 def _same(root, name, suite, args, ini, stdin, conftest):
@@ -108,18 +114,38 @@ def main() -> None:
         for design, conftest in designs.items():
             run = run_pytest(root / design / "timed", suites._TIMED, *TIMED, conftest=conftest)
             rows[-1].append(run.attempts().get("hangs") == 2 and "Failed: Timeout" in run.result.stdout)
+        rows.append(["JUnit XML: one test case per test, with its last outcome"])
+        for design, conftest in designs.items():
+            xml = root / design / "junit" / "junit.xml"
+            run_pytest(xml.parent, junit._LOSE_PORTS, f"--junitxml={xml}", conftest=conftest)
+            cases = [case.find("failure") is not None for case in ET.parse(xml).getroot().iter("testcase")]
+            rows[-1].append(sorted(cases) == [False, False, True])
+        rows.append(["a script's captured output, never its command line, tells a port conflict"])
+        for design, conftest in designs.items():
+            run = run_pytest(root / design / "children", evidence._CHILDREN, "-k", "not spawned", conftest=conftest)
+            rows[-1].append(run.attempts() == {**dict.fromkeys(("run", "check_output"), 2), **CHILDREN_FAIL})
+        rows.append(["a shared fixture: never a replay of its cached error"])
+        for design, conftest in designs.items():
+            run = run_pytest(root / design / "fixtures", fixtures._SHARED, conftest=conftest)
+            reruns = [test for test, _, outcome in run.outcomes() if outcome == "rerun"]
+            rows[-1].append(sorted(reruns) == ["test_inner.py::TestClassStore::test_last", "test_inner.py::test_last"])
     parts = {  # the protocol design's code, by what it is for
         "deciding and rerunning": [
             _port_reruns.is_port_conflict,
+            _port_reruns._Reruns,
             _port_reruns.pytest_runtest_protocol,
+            _port_reruns.pytest_fixture_setup,
             _port_reruns.pytest_runtest_makereport,
             _port_reruns.pytest_report_teststatus,
             _port_reruns._reruns_allowed,
-            _port_reruns._suite_reruns,
+            _port_reruns._attempt,
+            _port_reruns._Attempt.__init__,
+            _port_reruns._Attempt.reruns_for,
         ],
         "clean-up before a rerun": [
             _port_reruns.pytest_runtest_call,
-            _port_reruns._Attempt,
+            _port_reruns._Attempt.before_call,
+            _port_reruns._Attempt.clean_up,
             _port_reruns._process_group_initialized,
         ],
         "enabling, settings and summary": [

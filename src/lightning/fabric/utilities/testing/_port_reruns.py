@@ -13,13 +13,11 @@
 # limitations under the License.
 """A pytest plugin that reruns a test which failed because a network port it needed was taken (``EADDRINUSE``).
 
-Enable it with ``-p lightning.fabric.utilities.testing._port_reruns``, with ``pytest_plugins`` in a ``conftest.py``,
-or with ``_port_reruns.register(config)`` in ``pytest_configure(config)`` of a ``conftest.py``; ``-p no:<this
-module>`` disables it.
+Enable it with ``-p lightning.fabric.utilities.testing._port_reruns``, ``pytest_plugins`` in a ``conftest.py``, or
+``_port_reruns.register(config)`` in ``pytest_configure(config)`` of a ``conftest.py``; ``-p no:<module>`` disables it.
 
-The rule: a test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0`` turns reruns off), when its
-setup or call failed with a port conflict, as the failure shows it: the exception, or one it was raised from or while
-handling, is
+A test is rerun, up to ``PL_PORT_CONFLICT_RERUNS`` times (default 2, ``0`` turns reruns off), when its setup or call
+failed with a port conflict, as the failure shows it: the exception, or one it was raised from or while handling, is
 
 * an ``OSError`` with ``errno`` ``EADDRINUSE``;
 * an ``Exception`` whose message says ``EADDRINUSE`` or "address already in use": ``TCPStore``'s
@@ -29,24 +27,19 @@ handling, is
   ``subprocess.run(..., capture_output=True, check=True)``, ``check_output``. Never its command line.
 
 Only lines that do not start with whitespace count (not a traceback's source lines). The test's own verdict ends the
-search: an ``AssertionError``, or what is not an ``Exception`` (``pytest.fail``), is never a port conflict. Not
-recognised: output the test did not capture or checks itself (``assert subprocess.call(...) == 0``), and a child that
-died without a traceback (``ProcessExitedException``). The rerun is
-pytest's own protocol run again, as if the test came next: fixtures that the next test would share stay set up,
-those that pytest tore down after the failed attempt (it was their last test) are set up again, and a wider-scoped
-fixture that failed keeps its error for its scope, as pytest keeps it. Nothing else is changed, and nothing at all
-when:
+search: an ``AssertionError``, or what is not an ``Exception`` (``pytest.fail``). Not recognised: output the test did
+not capture or checks itself (``assert subprocess.call(...) == 0``), a child that died without a traceback
+(``ProcessExitedException``). A setup failure is rerun only if the fixtures that raised it are torn down after the
+attempt: a class- or module-scoped fixture keeps its error for the tests that share it, as pytest keeps it, and the
+last of them is rerun with the fixture set up anew.
 
-* ``--pdb`` or ``--trace`` is given: a debugging session sees every failure as it is;
-* the test is one that pytest-rerunfailures reruns (a ``flaky`` marker, or ``--reruns``, ``--force-reruns`` or the
-  ``reruns`` ini option above 0): the suite's own rerun settings decide alone, for port conflicts too.
-
-A worker that crashes under pytest-xdist is not a port conflict: it is left to xdist and the suite's settings. Before
-a rerun, the failed attempt is cleaned up, only as far as the test function itself left it: the processes of
-Lightning's subprocess launchers that it started and that still run are killed (through their observer's
-``kill_children``), a default process group it initialized is destroyed, and environment variables it changed, and
-that its teardown did not change again, are put back. Reruns are reported as ``rerun`` (``R``), and listed at the end
-of the session, with pytest-xdist too.
+A rerun is a protocol run of its own, as if the test came next, after the failed attempt is cleaned up as far as the
+test function left it: the processes of Lightning's subprocess launchers it started are killed, a default process
+group it initialized is destroyed, and environment variables it changed, and that its teardown did not change again,
+are put back. The failed attempt's teardown is not reported: JUnit XML has one test case with the last outcome and
+the property ``port_conflict_reruns``. Reruns show as ``R``, listed at the end. Nothing changes under ``--pdb`` or
+``--trace``, for a test that pytest-rerunfailures reruns (its settings decide alone), and for a test that keeps its
+port.
 
 """
 
@@ -60,13 +53,18 @@ from typing import Any, Optional
 
 import pytest
 
+# not public, but pytest-rerunfailures runs its attempts with it too: `log=False` is the one way to run an attempt
+# whose reports the plugin logs itself (a rerun's teardown must not reach JUnit XML as a test of its own)
+from _pytest.runner import runtestprotocol
+
 _ENV = "PL_PORT_CONFLICT_RERUNS"
-_PROPERTY = "port_conflict"  # the user property that marks this plugin's reruns; it reaches xdist's controller
+_PROPERTY = "port_conflict"  # a rerun's report: the error (it reaches xdist's controller)
+_COUNT = "port_conflict_reruns"  # the test's last report, which JUnit XML writes the properties of: how many reruns
 _MESSAGES = ("eaddrinuse", "address already in use", "only one usage of each socket address")  # Linux, macOS, Windows
 _EADDRINUSE = {errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", errno.EADDRINUSE)}
 _reruns_key = pytest.StashKey[int]()
 _attempt_key = pytest.StashKey["_Attempt"]()
-_reruns_done_key = pytest.StashKey[int]()
+_fixture_errors_key = pytest.StashKey[list[tuple[BaseException, Any]]]()  # port conflicts fixtures raised, and where
 
 
 def register(config: pytest.Config) -> None:
@@ -97,61 +95,90 @@ def is_port_conflict(exception: Optional[BaseException]) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Read the number of reruns: one clear error for a value that is not one."""
+    """Read the number of reruns (one clear error for a value that is not one) and add the rerunning wrapper."""
     value = os.environ.get(_ENV, "2").strip()
     if not (value.isascii() and value.isdigit()):
         raise pytest.UsageError(f"{_ENV}={value!r}: expected a number of reruns, 0 to turn reruns off.")
     config.stash[_reruns_key] = int(value)
+    config.pluginmanager.register(_Reruns(), f"{__name__}.reruns")
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Generator[None, Any, Any]:
-    """Run the protocol; after an attempt that lost its port, clean it up and run the protocol again.
+class _Reruns:
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> Generator[None, Any, Any]:
+        """Run the protocol; after an attempt that lost its port, clean it up and run the protocol again.
 
-    The outermost wrapper, however the plugin was registered: the other wrappers (pytest's warnings capture,
-    pytest-timeout's timer) have finished with the failed attempt when its rerun starts, and wrap the rerun anew.
+        The outermost wrapper, and left out of the reruns' protocol calls: each attempt is a call of its own, one after
+        the other, never nested, and the other plugins' wrappers (pytest-timeout's timer) wrap each anew.
 
-    """
-    if not _reruns_allowed(item):
+        """
+        if not _reruns_allowed(item):
+            return (yield)
+        stash = item.config.stash
+        stash[_attempt_key] = attempt = _Attempt(item, nextitem, reruns=0)
+        try:
+            result = yield
+            rerun = item.config.pluginmanager.subset_hook_caller("pytest_runtest_protocol", [self])
+            while attempt.rerun:
+                attempt.clean_up()
+                stash[_attempt_key] = attempt = _Attempt(item, nextitem, attempt.reruns + 1)
+                rerun(item=item, nextitem=nextitem)
+        finally:
+            del stash[_attempt_key]
+        return result
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Optional[bool]:
+    """Run an attempt as pytest's runner does, its reports logged by ``pytest_runtest_makereport`` below."""
+    if _attempt(item) is None:
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    runtestprotocol(item, nextitem=nextitem, log=False)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
+    """Note a port conflict that a fixture raises, which pytest keeps until the fixture's scope ends, and that scope."""
+    try:
         return (yield)
-    attempt = item.stash[_attempt_key] = _Attempt()
-    result = yield
-    done = item.stash.get(_reruns_done_key, 0)
-    if attempt.rerun and not (item.session.shouldfail or item.session.shouldstop):
-        attempt.clean_up()
-        item.stash[_reruns_done_key] = done + 1
-        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)  # the whole protocol, once more
-    return result
+    except Exception as error:
+        if is_port_conflict(error):
+            request.config.stash.setdefault(_fixture_errors_key, []).append((error, request.node))
+        raise
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     """Note what exists before the test function runs: its clean-up undoes only what it added."""
-    attempt = item.stash.get(_attempt_key, None)
+    attempt = _attempt(item)
     if attempt is not None:
         attempt.before_call()
     return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, Any]:
-    """Decide from the failure itself: a port conflict in setup or call, with a rerun left, is reported as ``rerun``."""
+    """Decide from the failure itself, then log the report where pytest's runner would, but a rerun's teardown."""
     report = yield
-    attempt = item.stash.get(_attempt_key, None)
-    if (
-        attempt is not None
-        and not attempt.rerun
-        and report.failed
-        and call.when in ("setup", "call")
-        and call.excinfo is not None
-        and is_port_conflict(call.excinfo.value)
-        and item.stash.get(_reruns_done_key, 0) < item.config.stash[_reruns_key]
-    ):
+    attempt = _attempt(item)
+    if attempt is None:
+        return report
+    if call.when == "teardown":
+        if attempt.rerun and report.passed:
+            return report  # the attempt ends here for pytest's reporters: the next one completes the same test
+        attempt.rerun = False  # a teardown that failed: the test has an error, and is not rerun
+        if attempt.reruns:
+            report.user_properties.append((_COUNT, attempt.reruns))
+    elif attempt.reruns_for(report, call):
         report.outcome = "rerun"  # as pytest-rerunfailures reports an attempt that is run again
-        report.user_properties.append((_PROPERTY, call.excinfo.exconly().splitlines()[0][:200]))
+        report.user_properties.append((_PROPERTY, call.excinfo.exconly().splitlines()[0][:200]))  # type: ignore[union-attr]
         attempt.rerun = True
         if call.when == "call":
             attempt.environ_after_call = dict(os.environ)
+    item.ihook.pytest_runtest_logreport(report=report)
     return report
 
 
@@ -180,28 +207,42 @@ def _reruns_allowed(item: pytest.Item) -> bool:
     config = item.config
     if not config.stash.get(_reruns_key, 0) or config.getoption("usepdb", False) or config.getoption("trace", False):
         return False
-    return item.get_closest_marker("flaky") is None and not _suite_reruns(config)
+    # pytest-rerunfailures' own answer for this test (its marker, or its reruns for the suite)
+    suite_reruns = getattr(config.pluginmanager.get_plugin("rerunfailures"), "get_reruns_count", lambda _: None)
+    return item.get_closest_marker("flaky") is None and not suite_reruns(item)
 
 
-def _suite_reruns(config: pytest.Config) -> bool:
-    """Whether pytest-rerunfailures reruns every test of the suite: ``--reruns``, ``--force-reruns``, ``reruns`` ini."""
-    if config.getoption("force_reruns", None) or config.getoption("reruns", None):
-        return True
-    try:
-        return int(config.getini("reruns")) > 0
-    except (ValueError, TypeError):  # no such ini option (pytest-rerunfailures is not active), or not set
-        return False
+def _attempt(item: pytest.Item) -> Optional["_Attempt"]:
+    attempt = item.config.stash.get(_attempt_key, None)
+    return attempt if attempt is not None and attempt.item is item else None
 
 
 class _Attempt:
-    """What one attempt of a test needs for its rerun: whether one follows, and what the test function changed."""
+    """One attempt of a test: whether a rerun follows, and what its clean-up needs."""
 
-    def __init__(self) -> None:
+    def __init__(self, item: pytest.Item, nextitem: Optional[pytest.Item], reruns: int) -> None:
+        self.item, self.nextitem, self.reruns = item, nextitem, reruns
         self.rerun = False
         self._threads: set[threading.Thread] = set()
         self._environ: dict[str, str] = {}
         self.environ_after_call: Optional[dict[str, str]] = None
         self._process_group_before = False
+
+    def reruns_for(self, report: pytest.TestReport, call: pytest.CallInfo) -> bool:
+        """Whether this failed setup or call is a port conflict that a rerun can retry, set up anew."""
+        session = self.item.session
+        if not report.failed or call.excinfo is None or self.reruns >= self.item.config.stash[_reruns_key]:
+            return False
+        if session.shouldfail or session.shouldstop or not is_port_conflict(call.excinfo.value):
+            return False
+        if call.when == "call":
+            return True
+        # fixtures raised it (in this attempt, or pytest replays their cached error), and none of them has a scope that
+        # the next test shares: pytest tears them all down after this attempt, and sets them up anew for the rerun
+        errors = self.item.config.stash.get(_fixture_errors_key, [])
+        ends = [node for error, node in errors if error is call.excinfo.value]
+        kept = set(self.nextitem.listchain()) if self.nextitem is not None else set()
+        return bool(ends) and kept.isdisjoint(ends)
 
     def before_call(self) -> None:
         self._threads = set(threading.enumerate())
