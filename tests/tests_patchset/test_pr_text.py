@@ -27,9 +27,12 @@ def test_every_item_of_the_template_gets_an_answer(patch):
     assert patch.description.splitlines()[0] in text
     assert "<issue_number>" not in text
     assert "Say what changes and why" not in text  # the prompt is replaced by the answer
-    issue = re.search(r"/issues/(\d+)", patch.field("Bug"))
-    assert issue
-    assert f"Fixes #{issue.group(1)}" in text.splitlines()
+    for field, verb in (("Bug", "Fixes"), ("Part-Of", "Part of")):
+        for value in patch.trailers.get(field, []):
+            issue = re.search(r"/issues/(\d+)", value)
+            assert issue
+            assert f"{verb} #{issue.group(1)}" in text.splitlines()
+    assert patch.trailers.get("Bug") or patch.trailers.get("Part-Of")  # each upstream-bound patch names its issue
     for entry in breaking_changes(patch):
         assert f"- {entry}" in text.splitlines()
     if not breaking_changes(patch):

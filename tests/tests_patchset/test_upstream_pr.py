@@ -116,7 +116,11 @@ def test_cli_upstream_pr_makes_the_branch_and_writes_the_pr_description(
     text = written.read_text()
     assert text.startswith("## What does this PR do?\n\nWhy: the demo needs it.\n")
     assert "Fixes #21308\n" in text
-    assert "- Was this **discussed/agreed** via a GitHub issue? (not for typos and docs) Yes: #21308." in text
+    # an issue alone is no agreement: the box stays unticked and says so
+    assert (
+        "- Was this **discussed/agreed** via a GitHub issue? (not for typos and docs) Not yet: reported in #21308,"
+        " with no maintainer's agreement to this change." in text
+    )
     assert "Yes: `src/lightning/fabric/utilities/_demo.py`" not in text  # not a test, not docs
     assert "Yes: `tests/tests_fabric/utilities/test_demo.py`." in text
     assert proc.stderr == ""
@@ -313,3 +317,33 @@ def test_a_linked_worktree_is_cleaned_up_after_a_conflict(demo_project: Path, up
         upstream_pr(demo_project, "2", linked, base="main")
     assert git(linked, "status", "--porcelain") == ""
     assert not Path(git(linked, "rev-parse", "--git-path", "rebase-apply")).exists()
+
+
+def test_a_patch_that_fixes_part_of_an_issue_says_part_of_and_an_agreement_ticks_the_box(
+    project: Path, upstream_checkout: Path
+):
+    from patchset.check import check
+    from patchset.pr_text import fill_template
+    from patchset.series import read_series
+
+    workspace = materialize_workspace(project)
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + "# touched\n")
+    message = (
+        "fabric: touch utilities\n\nWhy.\n\n"
+        "Part-Of: https://github.com/Lightning-AI/pytorch-lightning/issues/7\n"
+        "Agreed: https://github.com/Lightning-AI/pytorch-lightning/issues/7#issuecomment-1\n"
+        "Forwarded: no\n"
+    )
+    git(workspace, "commit", "-qam", message)
+    export(project)
+    assert [f.message for f in check(project) if not f.ok] == []  # the fields are known to the lint
+    upstream_pr(project, "2", upstream_checkout)
+    upstream_message = git(upstream_checkout, "log", "-1", "--format=%B")
+    assert upstream_message.rstrip().splitlines()[-1] == "Part of #7"
+    assert "Fixes" not in upstream_message and "Agreed" not in upstream_message
+    text = fill_template(PR_TEMPLATE, project, read_series(project)[1])
+    assert "Part of #7" in text.splitlines()
+    assert not [line for line in text.splitlines() if line.startswith("Fixes")]
+    (agreed,) = [line for line in text.splitlines() if "discussed/agreed" in line]
+    assert agreed.endswith("Yes: https://github.com/Lightning-AI/pytorch-lightning/issues/7#issuecomment-1.")

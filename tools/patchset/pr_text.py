@@ -3,10 +3,12 @@
 The template is read from the upstream checkout (at the PR's base), so the text follows upstream's current template.
 What it asks is answered from what the project has, never assumed:
 
-- *What does this PR do?*: the patch's description; ``Fixes #N`` from its ``Bug:`` field;
+- *What does this PR do?*: the patch's description; ``Fixes #N`` from its ``Bug:`` fields, ``Part of #N`` from its
+  ``Part-Of:`` fields (an issue it fixes only part of);
 - its breaking changes: the patch's ``Changelog:`` entries under ``Removed`` and ``Changed`` (Keep a Changelog's
   sections for what stops working as before);
-- each *Before submitting* item: the issue (``Bug:``), one change (one patch; ``Depends-On:`` names the PR it stacks
+- each *Before submitting* item: the agreement (``Agreed:``, where a maintainer agreed to the change; an issue
+  alone is no agreement), one change (one patch; ``Depends-On:`` names the PR it stacks
   on), the docs and tests among the patch's files and new files, the CHANGELOG entries, and whether upstream's tests,
   oldest-requirements tests, mypy and ruff passed, from the patch's sections of ``docs/upstream-tests.md`` recorded at
   the patch's current blob (a missing or stale record is said to be so, unchecked). Reading the contributor guide is
@@ -59,9 +61,32 @@ def patch_files(project: Path, patch: Patch) -> list[str]:
     return sorted({*changed, *(f for f in overlay_files(project) if patch.owns(f))})
 
 
-def issues(patch: Patch) -> list[str]:
-    """``#N`` for each upstream issue of the patch's ``Bug:`` fields."""
-    return [f"#{m.group(1)}" for b in patch.trailers.get("Bug", []) if (m := re.search(r"/issues/(\d+)", b))]
+def issues(patch: Patch, field: str = "Bug") -> list[str]:
+    """``#N`` for each upstream issue of the patch's ``Bug:`` fields (or of another field that names issues)."""
+    return [f"#{m.group(1)}" for b in patch.trailers.get(field, []) if (m := re.search(r"/issues/(\d+)", b))]
+
+
+def fixes_line(patch: Patch) -> str:
+    """The template's ``Fixes #N`` line: the issues the patch fixes, then those it fixes only part of."""
+    lines = [
+        f"{verb} {', '.join(refs)}"
+        for verb, refs in (("Fixes", issues(patch)), ("Part of", issues(patch, "Part-Of")))
+        if refs
+    ]
+    return "\n".join(lines) or "Fixes no upstream issue (none was filed)."
+
+
+def agreed_answer(patch: Patch) -> Answer:
+    """Whether the change was agreed: only an ``Agreed:`` field (where a maintainer agreed) says yes."""
+    agreed = [a.strip() for a in patch.trailers.get("Agreed", [])]
+    if agreed:
+        return Answer(True, f"Yes: {', '.join(agreed)}.")
+    reported = issues(patch) + issues(patch, "Part-Of")
+    if reported:
+        return Answer(
+            False, f"Not yet: reported in {', '.join(reported)}, with no maintainer's agreement to this change."
+        )
+    return Answer(False, "No: no upstream issue was filed for it.")
 
 
 def breaking_changes(patch: Patch) -> list[str]:
@@ -118,7 +143,6 @@ def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]
     files = patch_files(project, patch)
     docs = [f for f in files if f.startswith("docs/") or f.endswith(".rst")]
     tests = [f for f in files if f.startswith("tests/")]
-    refs = issues(patch)
     depends = patch.field("Depends-On")
     breaking = breaking_changes(patch)
     entries = [f"`{e.package}` {e.section}: {e.text}" for e in patch.changelog]
@@ -130,7 +154,7 @@ def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]
         return ", ".join(f"`{p}`" for p in paths)
 
     return [
-        (re.compile(r"discussed/agreed", re.I), Answer(bool(refs), f"Yes: {', '.join(refs)}." if refs else "No.")),
+        (re.compile(r"discussed/agreed", re.I), agreed_answer(patch)),
         (
             re.compile(r"contributor guideline", re.I),
             Answer(False, "For whoever opens this PR to confirm."),
@@ -167,7 +191,6 @@ def pr_description(project: Path, ref: str, onto: Path, base: str) -> str:
 def fill_template(template: str, project: Path, patch: Patch) -> str:
     """``template`` with the patch's description, issue, breaking changes, item answers and benchmark line."""
     rules = answers(project, patch)
-    refs = issues(patch)
     breaking = breaking_changes(patch)
     out: list[str] = []
     lines = template.splitlines()
@@ -183,7 +206,7 @@ def fill_template(template: str, project: Path, patch: Patch) -> str:
             described, i = True, end + 1
             continue
         if line.startswith("Fixes #"):
-            out.append(f"Fixes {', '.join(refs)}" if refs else "Fixes no upstream issue (none was filed).")
+            out.append(fixes_line(patch))
         elif line.startswith("<!--") and "breaking changes" in line.lower() and line.rstrip().endswith("-->"):
             if breaking:
                 out += ["**Breaking changes:**", "", *(f"- {text}" for text in breaking)]

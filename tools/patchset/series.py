@@ -13,7 +13,18 @@ from patchset import PatchsetError
 SERIES_FILE = Path("patches") / "series"
 CHANGELOG_SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed")
 # Trailers kept in the fork only: they describe the patch's life here, not the upstream change.
-FORK_TRAILERS = ("Forwarded", "Applied-Upstream", "Changelog", "New-Files", "Bug", "Mirrors", "Depends-On")
+# `Bug:` an upstream issue the patch fixes, `Part-Of:` one it fixes only part of, `Agreed:` where a maintainer agreed
+FORK_TRAILERS = (
+    "Forwarded",
+    "Applied-Upstream",
+    "Changelog",
+    "New-Files",
+    "Bug",
+    "Part-Of",
+    "Agreed",
+    "Mirrors",
+    "Depends-On",
+)
 _CHANGELOG = re.compile(r"^(fabric|pytorch) (" + "|".join(CHANGELOG_SECTIONS) + r"): (.+)$")
 
 

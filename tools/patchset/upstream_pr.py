@@ -55,21 +55,22 @@ def insert_changelog(text: str, entry: ChangelogEntry) -> str:
 def _clean_message(message: str) -> str:
     """The commit message upstream sees: fork-only fields removed, the issue it fixes referenced."""
     paragraphs = message.strip().split("\n\n")
-    kept, bugs, dropping = [], [], False
+    kept, dropping = [], False
+    issues: dict[str, list[str]] = {"Bug": [], "Part-Of": []}
     for line in paragraphs[-1].splitlines():
         key, sep, value = line.partition(": ")
         if sep and key in FORK_TRAILERS:
             dropping = True
-            if key == "Bug":
-                bugs.append(value)
+            issues.get(key, []).append(value)
         elif line[:1] in (" ", "\t") and dropping:
             continue  # the folded continuation of a dropped field
         else:
             dropping = False
             kept.append(line)
-    refs = [f"#{m.group(1)}" for b in bugs if (m := re.search(r"/issues/(\d+)", b))]
-    if refs:
-        kept.append("Fixes " + ", ".join(refs))
+    for key, verb in (("Bug", "Fixes"), ("Part-Of", "Part of")):
+        refs = [f"#{m.group(1)}" for b in issues[key] if (m := re.search(r"/issues/(\d+)", b))]
+        if refs:
+            kept.append(f"{verb} " + ", ".join(refs))
     paragraphs = paragraphs[:-1] + (["\n".join(kept)] if kept else [])
     return "\n\n".join(paragraphs) + "\n"
 
