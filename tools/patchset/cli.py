@@ -82,6 +82,25 @@ def _write_description(args: argparse.Namespace) -> int:
         print(f"wrote the PR description to {path}")
     for line in unanswered(text):
         print(f"not answered (upstream's template has an item upstream-pr does not know): {line}", file=sys.stderr)
+    return _write_feature_request(args)
+
+
+def _write_feature_request(args: argparse.Namespace) -> int:
+    from patchset.feature_request import default_request_path, feature_request
+    from patchset.upstream_pr import default_base, find_patch
+
+    patch = find_patch(args.project, args.patch)
+    onto = args.onto.resolve()
+    try:
+        text = feature_request(args.project, patch, onto, args.base or default_base(args.project, patch, onto))
+    except PatchsetError as err:
+        print(f"no feature request written: {err}", file=sys.stderr)
+        return 0
+    if text is not None:
+        path = default_request_path(args.project, patch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote the feature request to file upstream before the PR to {path}")
     return 0
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.feature_request import request_url
 from patchset.fork_metadata import fork_url
 from patchset.gitops import git
 from patchset.materialize import overlay_files
@@ -66,21 +67,27 @@ def issues(patch: Patch, field: str = "Bug") -> list[str]:
     return [f"#{m.group(1)}" for b in patch.trailers.get(field, []) if (m := re.search(r"/issues/(\d+)", b))]
 
 
-def fixes_line(patch: Patch) -> str:
+def fixes_line(project: Path, patch: Patch) -> str:
     """The template's ``Fixes #N`` line: the issues the patch fixes, then those it fixes only part of."""
     lines = [
         f"{verb} {', '.join(refs)}"
         for verb, refs in (("Fixes", issues(patch)), ("Part of", issues(patch, "Part-Of")))
         if refs
     ]
+    request = request_url(project, patch)
+    if not lines and request:
+        return f"Implements the feature request to be filed first, from {request}: put its number here."
     return "\n".join(lines) or "Fixes no upstream issue (none was filed)."
 
 
-def agreed_answer(patch: Patch) -> Answer:
+def agreed_answer(project: Path, patch: Patch) -> Answer:
     """Whether the change was agreed: only an ``Agreed:`` field (where a maintainer agreed) says yes."""
     agreed = [a.strip() for a in patch.trailers.get("Agreed", [])]
     if agreed:
         return Answer(True, f"Yes: {', '.join(agreed)}.")
+    request = request_url(project, patch)
+    if request:
+        return Answer(False, f"Not yet: the feature request ({request}) is to be filed and agreed first.")
     reported = issues(patch) + issues(patch, "Part-Of")
     if reported:
         return Answer(
@@ -154,7 +161,7 @@ def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]
         return ", ".join(f"`{p}`" for p in paths)
 
     return [
-        (re.compile(r"discussed/agreed", re.I), agreed_answer(patch)),
+        (re.compile(r"discussed/agreed", re.I), agreed_answer(project, patch)),
         (
             re.compile(r"contributor guideline", re.I),
             Answer(False, "For whoever opens this PR to confirm."),
@@ -206,7 +213,7 @@ def fill_template(template: str, project: Path, patch: Patch) -> str:
             described, i = True, end + 1
             continue
         if line.startswith("Fixes #"):
-            out.append(fixes_line(patch))
+            out.append(fixes_line(project, patch))
         elif line.startswith("<!--") and "breaking changes" in line.lower() and line.rstrip().endswith("-->"):
             if breaking:
                 out += ["**Breaking changes:**", "", *(f"- {text}" for text in breaking)]

@@ -13,7 +13,8 @@ from patchset import PatchsetError
 SERIES_FILE = Path("patches") / "series"
 CHANGELOG_SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed")
 # Trailers kept in the fork only: they describe the patch's life here, not the upstream change.
-# `Bug:` an upstream issue the patch fixes, `Part-Of:` one it fixes only part of, `Agreed:` where a maintainer agreed
+# `Bug:` an upstream issue the patch fixes, `Part-Of:` one it fixes only part of, `Agreed:` where a maintainer agreed,
+# `Feature-Request:` the project's file with the request a feature needs upstream before its PR
 FORK_TRAILERS = (
     "Forwarded",
     "Applied-Upstream",
@@ -22,6 +23,7 @@ FORK_TRAILERS = (
     "Bug",
     "Part-Of",
     "Agreed",
+    "Feature-Request",
     "Mirrors",
     "Depends-On",
 )
