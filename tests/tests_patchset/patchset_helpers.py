@@ -29,7 +29,10 @@ def project_files(root: Path) -> list[str]:
     return sorted({f for f in listed.split("\0") if f and (root / f).is_file()})
 
 
-def copy_project(dest: Path, include: tuple[str, ...] = ("patches", "tools", "pyproject.toml", "README.md")) -> Path:
+_PROJECT_FILES = ("patches", "tools", "pyproject.toml", "README.md", "docs/maintaining.md")
+
+
+def copy_project(dest: Path, include: tuple[str, ...] = _PROJECT_FILES) -> Path:
     """A copy of this project's pin, series, tool and build config (no new files unless asked) at ``dest``."""
     for rel in project_files(REPO):
         if rel.split("/")[0] in include or rel in include:

@@ -34,13 +34,24 @@ def _link_or_none(cell: str, url: str) -> bool:
     return cell.startswith(f"[#{url.rstrip('/').rsplit('/', 1)[1]}]({url})")
 
 
+def _issue_cell(patch) -> str:
+    """What the table's issue column starts with: `Bug:`, `part of` `Part-Of:`, or none yet and its feature request."""
+    if patch.field("Bug"):
+        return f"[#{patch.field('Bug').rsplit('/', 1)[1]}]({patch.field('Bug')})"
+    if patch.field("Part-Of"):
+        return f"part of [#{patch.field('Part-Of').rsplit('/', 1)[1]}]({patch.field('Part-Of')})"
+    if patch.field("Feature-Request"):
+        return f"none yet: [the feature request to file first](../{patch.field('Feature-Request')})"
+    return "—"
+
+
 def test_the_patch_table_is_the_patch_files_fields():
-    rows = _table_rows(README.read_text(encoding="utf-8"), "## The patches")
+    rows = _table_rows((REPO / "docs/maintaining.md").read_text(encoding="utf-8"), "## The patches")
     patches = read_series(REPO)
     assert sorted(rows) == [patch.name[:4] for patch in patches]
     for patch in patches:
         _, _, issue, mirrors, forwarded, applied = rows[patch.name[:4]]
-        assert _link_or_none(issue, patch.field("Bug")), (patch.name, "Bug:", issue)
+        assert issue.startswith(_issue_cell(patch)), (patch.name, issue)
         assert _link_or_none(mirrors, patch.field("Mirrors")), (patch.name, "Mirrors:", mirrors)
         assert forwarded.split()[0] == patch.forwarded, (patch.name, "Forwarded:", forwarded)
         assert applied == (patch.field("Applied-Upstream") or "—"), (patch.name, "Applied-Upstream:", applied)

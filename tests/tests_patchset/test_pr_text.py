@@ -40,9 +40,9 @@ def test_every_item_of_the_template_gets_an_answer(patch):
     assert "- [ ] Is this pull request ready for review?" in text  # the reviewers' checklist is theirs
 
 
-def test_the_benchmark_line_links_the_readmes_benchmark_pages_in_the_fork():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    with_benchmark = [p for p in UPSTREAM_BOUND if re.search(rf"^\| {p.name[:4]} \|.*benchmark\]", readme, re.M)]
+def test_the_benchmark_line_links_the_tables_benchmark_pages_in_the_fork():
+    table = (REPO / "docs/maintaining.md").read_text(encoding="utf-8")
+    with_benchmark = [p for p in UPSTREAM_BOUND if re.search(rf"^\| {p.name[:4]} \|.*benchmark\]", table, re.M)]
     assert with_benchmark  # 0002's stress benchmark, 0004's benchmark
     for patch in UPSTREAM_BOUND:
         lines = [line for line in fill_template(PR_TEMPLATE, REPO, patch).splitlines() if line.startswith("Benchmark:")]
@@ -59,7 +59,7 @@ def _tests_line(text: str) -> str:
 
 
 def test_the_tests_item_is_ticked_only_when_every_job_is_recorded_on_this_patch_with_nothing_caused(tmp_path: Path):
-    project = copy_project(tmp_path / "project", include=("patches", "tools", "pyproject.toml", "README.md"))
+    project = copy_project(tmp_path / "project", include=("patches", "tools", "pyproject.toml", "docs/maintaining.md"))
     (project / PAGE).unlink(missing_ok=True)
     patch = read_series(project)[2]
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))

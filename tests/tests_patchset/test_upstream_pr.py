@@ -341,7 +341,8 @@ def test_a_patch_that_fixes_part_of_an_issue_says_part_of_and_an_agreement_ticks
     upstream_pr(project, "2", upstream_checkout)
     upstream_message = git(upstream_checkout, "log", "-1", "--format=%B")
     assert upstream_message.rstrip().splitlines()[-1] == "Part of #7"
-    assert "Fixes" not in upstream_message and "Agreed" not in upstream_message
+    assert "Fixes" not in upstream_message
+    assert "Agreed" not in upstream_message
     text = fill_template(PR_TEMPLATE, project, read_series(project)[1])
     assert "Part of #7" in text.splitlines()
     assert not [line for line in text.splitlines() if line.startswith("Fixes")]

@@ -13,8 +13,9 @@ What it asks is answered from what the project has, never assumed:
   oldest-requirements tests, mypy and ruff passed, from the patch's sections of ``docs/upstream-tests.md`` recorded at
   the patch's current blob (a missing or stale record is said to be so, unchecked). Reading the contributor guide is
   left for whoever opens the PR to confirm;
-- the benchmark line: the ``benchmark`` links of the patch's row in the README's table of patches (where the patch's
-  docs and benchmark pages are linked already), as addresses in the fork's repository.
+- the benchmark line: the ``benchmark`` links of the patch's row in the maintainers' table of patches
+  (``docs/maintaining.md``, where the patch's docs and benchmark pages are linked already), as addresses in the fork's
+  repository.
 
 An item the rules do not know (upstream changed its template) is marked **not answered** and named by
 :func:`unanswered`, which ``upstream-pr`` reports.
@@ -22,6 +23,7 @@ An item the rules do not know (upstream changed its template) is marked **not an
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from patchset.series import Patch
 from patchset.upstream_record import PAGE, RUNS, TITLES, blob_hash, caused_count, sections
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
+PATCH_TABLE = "docs/maintaining.md"  # its table of patches: a row each, with the patch's docs and benchmark links
 NOT_ANSWERED = "**not answered**"
 BREAKING_SECTIONS = ("Removed", "Changed")
 _ITEM = re.compile(r"^- (\[[ x]\] )?(.+)$")
@@ -102,13 +105,21 @@ def breaking_changes(patch: Patch) -> list[str]:
 
 
 def benchmark_links(project: Path, patch: Patch) -> list[str]:
-    """The benchmark pages the README's table links from the patch's row, as addresses in the fork's repository."""
-    readme = (project / "README.md").read_text(encoding="utf-8")
+    """The benchmark pages of the patch's row in the maintainers' table, as addresses in the fork's repository."""
+    table = project / PATCH_TABLE
+    if not table.is_file():
+        raise PatchsetError(f"{table}: missing; it holds the table of patches that the PR texts take links from")
     number = patch.name[:4]
-    row = next((line for line in readme.splitlines() if line.startswith(f"| {number} |")), "")
+    row = next(
+        (line for line in table.read_text(encoding="utf-8").splitlines() if line.startswith(f"| {number} |")), ""
+    )
     links = re.findall(r"\[([^\]]*benchmark[^\]]*)\]\(([^)\s]+)\)", row, flags=re.I)
-    base = fork_url(project)
-    return [f"[{text}]({target if '://' in target else f'{base}/blob/main/{target}'})" for text, target in links]
+    base, folder = fork_url(project), posixpath.dirname(PATCH_TABLE)
+
+    def address(target: str) -> str:
+        return target if "://" in target else f"{base}/blob/main/{posixpath.normpath(posixpath.join(folder, target))}"
+
+    return [f"[{text}]({address(target)})" for text, target in links]
 
 
 def recorded_runs(project: Path, patch: Patch) -> dict[str, str | None]:
