@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-
 from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     PROBE_X,
     PROBE_Y,
