@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 import subprocess
 from pathlib import Path
@@ -41,7 +42,8 @@ def _issue_cell(patch) -> str:
     if patch.field("Part-Of"):
         return f"part of [#{patch.field('Part-Of').rsplit('/', 1)[1]}]({patch.field('Part-Of')})"
     if patch.field("Feature-Request"):
-        return f"none yet: [the feature request to file first](../{patch.field('Feature-Request')})"
+        request = posixpath.relpath(patch.field("Feature-Request"), "docs")
+        return f"none yet: [the feature request to file first]({request})"
     return "—"
 
 

@@ -32,7 +32,10 @@ def test_every_item_of_the_template_gets_an_answer(patch):
             issue = re.search(r"/issues/(\d+)", value)
             assert issue
             assert f"{verb} #{issue.group(1)}" in text.splitlines()
-    assert patch.trailers.get("Bug") or patch.trailers.get("Part-Of")  # each upstream-bound patch names its issue
+    # each upstream-bound patch names its issue, or the feature request it needs first
+    assert patch.trailers.get("Bug") or patch.trailers.get("Part-Of") or patch.trailers.get("Feature-Request")
+    if not patch.trailers.get("Bug") and patch.trailers.get("Feature-Request"):
+        assert any(line.startswith("Implements the feature request to be filed first") for line in text.splitlines())
     for entry in breaking_changes(patch):
         assert f"- {entry}" in text.splitlines()
     if not breaking_changes(patch):

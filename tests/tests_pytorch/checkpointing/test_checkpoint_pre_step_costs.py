@@ -4,10 +4,15 @@ A copy is taken only in a batch whose optimizer steps can end on a save, predict
 before, and not for a monitor that the batches which saved did not log.
 """
 
+import gc
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     PROBE_X,
     PROBE_Y,
@@ -98,3 +103,85 @@ def test_each_warning_names_one_cause(tmp_path):
         " step could not enter the top-k, so nothing was copied."
     )
     assert "pre_optimizer_step" not in load(ckpt.best_model_path)
+
+
+class Wide(LightningModule):
+    """The issue's case: 65,792 trainable parameters under Adam, so a copy of them and their states is 790 KB."""
+
+    def __init__(self, manual):
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.layer = nn.Linear(256, 256)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        if self.automatic_optimization:
+            self.log("train_loss", loss)
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("train_loss", loss)  # after the step: unknown when the copy is taken
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(48, 256)), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 256)), batch_size=4)
+
+
+class TensorBytesAtTrainEnd(Callback):
+    """What a user finds held at `on_train_end`, as they would measure it: every tensor that gc can reach."""
+
+    def on_train_end(self, trainer, pl_module):
+        gc.collect()
+        storages = {}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        self.held = sum(storages.values())
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode", "manual"),
+    [("val_loss", "min", False), ("val_loss", "min", True), ("train_loss", "max", False), ("train_loss", "max", True)],
+)
+def test_no_copy_outlives_the_saves_that_can_use_it(tmp_path, monitor, mode, manual):
+    """At `on_train_end` the option holds nothing: not the copy of a batch whose save waited for validation (a
+    validation score), nor of a batch whose save did not use it (a falling loss that cannot enter a top-k of the
+    largest, logged after the step under manual optimization, so the copy is taken before that is known). Measured
+    against the same fit without the option, after a fit that warms up what the first fit allocates once."""
+    held = []
+    for option in (False, True, False):
+        seed_everything(0)
+        measure = TensorBytesAtTrainEnd()
+        ckpt = ModelCheckpoint(
+            dirpath=tmp_path / str(len(held)),
+            monitor=monitor,
+            every_n_train_steps=2,
+            save_top_k=1,
+            mode=mode,
+            save_pre_optimizer_step_weights=option,
+        )
+        trainer = Trainer(
+            default_root_dir=tmp_path,
+            max_epochs=3,
+            callbacks=[measure, ckpt],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with recorded_warnings():
+            trainer.fit(Wide(manual))
+        assert ckpt.best_k_models
+        held.append(measure.held)
+    assert held[1] == held[2]

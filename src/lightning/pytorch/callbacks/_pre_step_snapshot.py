@@ -77,15 +77,10 @@ class _PreStepCapture:
         step = trainer.global_step
         if 0 <= self._start_step < step:  # the batch before took optimizer steps
             self._steps_per_batch.add(step - self._start_step)
-        if self._start_values:  # the batch before could save: a monitor it did not log, no batch logs before saving
-            metrics = trainer.callback_metrics
-            for c in self._checkpoints:
-                if not self._logged.get(c) and not self._logged_in_batch(c.monitor, _value(metrics, c)):
-                    self._logged[c] = False
-        self._free()
+        self._free()  # if a save the batch before deferred never came
         self._deferred.clear()
         self._start_step = step
-        self._stepped = self._outside = False
+        self._stepped = self._outside = self._ended = False
         # a copy is of use if the batch's steps can end on a save: predicted from the steps of the batches before
         steps, every_n = self._steps_per_batch, self._every_n
         self._armed = every_n is None or not steps or any((step + k) % n == 0 for k in steps for n in every_n)
@@ -176,6 +171,24 @@ class _PreStepCapture:
             logged = self._logged_in_batch(checkpoint.monitor, value)
             self._logged[checkpoint] = self._logged.get(checkpoint, False) or logged
 
+    def end_batch(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint", waits_for_validation: bool) -> None:
+        """Drops what the batch held once no save can use it: after its batch-end saves and those it deferred.
+
+        At the end of a batch that could save, a monitor it did not log is noted: no batch logs it before saving.
+
+        """
+        if not waits_for_validation:
+            self._deferred.pop(checkpoint, None)
+        if not self._ended and checkpoint is self._checkpoints[-1]:
+            self._ended = True
+            if self._start_values:
+                metrics = trainer.callback_metrics
+                for c in self._checkpoints:
+                    if not self._logged.get(c) and not self._logged_in_batch(c.monitor, _value(metrics, c)):
+                        self._logged[c] = False
+        if self._ended and not self._deferred:
+            self._free()
+
     def deferred(self, checkpoint: "ModelCheckpoint") -> bool:
         return checkpoint in self._deferred
 
@@ -213,8 +226,6 @@ class _PreStepCapture:
         if written == [False]:
             reason = "the module's parameters changed during the fit, or its state dict renames them"
             self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
-        if checkpoint is self._checkpoints[-1] and not self._deferred:
-            self.copy = None  # the last checkpoint that can use it has saved
         if reason is not None:
             self._warning_cache.warn(
                 f"A top-k checkpoint of `ModelCheckpoint(monitor={monitor!r}, save_pre_optimizer_step_weights=True)`"
