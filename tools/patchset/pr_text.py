@@ -33,7 +33,7 @@ from patchset.feature_request import request_url
 from patchset.fork_metadata import fork_url
 from patchset.gitops import git
 from patchset.materialize import overlay_files
-from patchset.series import Patch
+from patchset.series import Patch, issue_lines, issue_refs
 from patchset.upstream_record import PAGE, RUNS, TITLES, blob_hash, caused_count, sections
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
@@ -67,16 +67,12 @@ def patch_files(project: Path, patch: Patch) -> list[str]:
 
 def issues(patch: Patch, field: str = "Bug") -> list[str]:
     """``#N`` for each upstream issue of the patch's ``Bug:`` fields (or of another field that names issues)."""
-    return [f"#{m.group(1)}" for b in patch.trailers.get(field, []) if (m := re.search(r"/issues/(\d+)", b))]
+    return issue_refs(patch.trailers.get(field, []))
 
 
 def fixes_line(project: Path, patch: Patch) -> str:
     """The template's ``Fixes #N`` line: the issues the patch fixes, then those it fixes only part of."""
-    lines = [
-        f"{verb} {', '.join(refs)}"
-        for verb, refs in (("Fixes", issues(patch)), ("Part of", issues(patch, "Part-Of")))
-        if refs
-    ]
+    lines = issue_lines(patch.trailers)
     request = request_url(project, patch)
     if not lines and request:
         return f"Implements the feature request to be filed first, from {request}: put its number here."

@@ -27,6 +27,20 @@ FORK_TRAILERS = (
     "Mirrors",
     "Depends-On",
 )
+# the fields that name upstream issues, and how a commit message or a PR text refers to them
+ISSUE_FIELDS = (("Bug", "Fixes"), ("Part-Of", "Part of"))
+
+
+def issue_refs(values: list[str]) -> list[str]:
+    """``#N`` for each upstream issue address among ``values``."""
+    return [f"#{m.group(1)}" for v in values if (m := re.search(r"/issues/(\d+)", v))]
+
+
+def issue_lines(fields: dict[str, list[str]]) -> list[str]:
+    """The ``Fixes #N`` and ``Part of #N`` lines of the issues that the fields name."""
+    return [f"{verb} {', '.join(refs)}" for key, verb in ISSUE_FIELDS if (refs := issue_refs(fields.get(key, [])))]
+
+
 _CHANGELOG = re.compile(r"^(fabric|pytorch) (" + "|".join(CHANGELOG_SECTIONS) + r"): (.+)$")
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import am, git, git_path, in_progress, is_clean, out
 from patchset.materialize import overlay_files
-from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, read_series
+from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, issue_lines, read_series
 
 # where upstream-pr records the commit each PR branch started from
 START_REFS = "refs/patchset-start/"
@@ -56,21 +55,18 @@ def _clean_message(message: str) -> str:
     """The commit message upstream sees: fork-only fields removed, the issue it fixes referenced."""
     paragraphs = message.strip().split("\n\n")
     kept, dropping = [], False
-    issues: dict[str, list[str]] = {"Bug": [], "Part-Of": []}
+    fields: dict[str, list[str]] = {}
     for line in paragraphs[-1].splitlines():
         key, sep, value = line.partition(": ")
         if sep and key in FORK_TRAILERS:
             dropping = True
-            issues.get(key, []).append(value)
+            fields.setdefault(key, []).append(value)
         elif line[:1] in (" ", "\t") and dropping:
             continue  # the folded continuation of a dropped field
         else:
             dropping = False
             kept.append(line)
-    for key, verb in (("Bug", "Fixes"), ("Part-Of", "Part of")):
-        refs = [f"#{m.group(1)}" for b in issues[key] if (m := re.search(r"/issues/(\d+)", b))]
-        if refs:
-            kept.append(f"{verb} " + ", ".join(refs))
+    kept += issue_lines(fields)
     paragraphs = paragraphs[:-1] + (["\n".join(kept)] if kept else [])
     return "\n\n".join(paragraphs) + "\n"
 
