@@ -80,7 +80,7 @@ def checkpoint_case() -> dict[str, Any]:
     data = torch.randn(8, 4) * torch.tensor([1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 1.0, 1.0]).unsqueeze(1)  # batch 2 is best
     with tempfile.TemporaryDirectory() as tmp:
         # the fork's one option (off by default: the copy costs memory); stock has no such argument
-        option = {"save_pre_optimizer_step_weights": True} if "+patchset" in lightning.__version__ else {}
+        option = {"save_pre_optimizer_step_state": True} if "+patchset" in lightning.__version__ else {}
         best = ModelCheckpoint(dirpath=tmp, monitor="loss", every_n_train_steps=1, save_top_k=1, **option)
         _fit(_manual_model(), best, data, batch_size=2, max_steps=4)
         saved = torch.load(best.best_model_path, weights_only=False)
@@ -236,7 +236,7 @@ def main() -> None:
     print()
 
     print("0004 pytorch: manual optimization, ModelCheckpoint(monitor='loss', every_n_train_steps=1, save_top_k=1)")
-    print("     (the fork with save_pre_optimizer_step_weights=True)")
+    print("     (the fork with save_pre_optimizer_step_state=True)")
     print("     the best score was logged at one batch; the loss there of the weights in the best file:")
     fork = run("--checkpoint-case")
     rows = [("stock", run("--checkpoint-case", stock))] if stock else []

@@ -1,4 +1,4 @@
-"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` with DDP on two CPU processes (gloo), issue #20947.
+"""`ModelCheckpoint(save_pre_optimizer_step_state=True)` with DDP on two CPU processes (gloo), issue #20947.
 
 The ranks log differently: each rank logs `score` in batch 0, then rank r only when `batch_idx % 2 == r`. Whether a
 rank logged during a batch is its own; no decision that leads into a collective may depend on it. Each file's own
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning.pytorch import Callback, Trainer, seed_everything
-from tests_pytorch.checkpointing.test_checkpoint_pre_step import PROBE_X, PROBE_Y, Net, checkpoint, load, score_of
+from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import PROBE_X, PROBE_Y, Net, checkpoint, load, score_of
 
 pytestmark = [
     pytest.mark.timeout(240),

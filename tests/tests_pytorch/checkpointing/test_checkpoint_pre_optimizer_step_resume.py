@@ -1,11 +1,11 @@
-"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` (issue #20947) and resuming: the option keeps the top-k
+"""`ModelCheckpoint(save_pre_optimizer_step_state=True)` (issue #20947) and resuming: the option keeps the top-k
 of a run without it, and a fit resumed from a pre-step file says what it does."""
 
 import pytest
 
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
+from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
     Net,
     fit,
     load,
@@ -20,9 +20,9 @@ def test_off_by_default_and_the_option_keeps_the_state_key(tmp_path):
     run's files stay the best three, which the second run only knows from the state it loaded."""
     kwargs = {"monitor": "score", "every_n_train_steps": 2, "save_top_k": 3, "mode": "max", "save_last": True}
     off = ModelCheckpoint(dirpath=tmp_path, **kwargs)
-    assert not off._save_pre_optimizer_step_weights
+    assert not off._save_pre_optimizer_step_state
     fit(tmp_path, Net(), checkpoints=[off], max_steps=8)
-    on = ModelCheckpoint(dirpath=tmp_path, save_pre_optimizer_step_weights=True, **kwargs)
+    on = ModelCheckpoint(dirpath=tmp_path, save_pre_optimizer_step_state=True, **kwargs)
     assert on.state_key == off.state_key
     seed_everything(7)
     trainer = Trainer(default_root_dir=tmp_path, max_steps=16, callbacks=[on], logger=False, limit_val_batches=0)

@@ -1,7 +1,8 @@
-"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` (issue #20947): the rule, case by case.
+"""`ModelCheckpoint(save_pre_optimizer_step_state=True)` (issue #20947): the rule, case by case.
 
-The rule: a top-k checkpoint written at the end of a training batch holds the state from before that batch's first
-optimizer step. The models log `score`, their loss on a fixed probe set, computed in `training_step` by the weights the
+The rule: a top-k checkpoint written at the end of a training batch, ranked by a value logged before that batch's first
+optimizer step, holds the state from before that step; ranked by a value logged later, it holds the live state, with
+one warning. The models log `score`, their loss on a fixed probe set, computed in `training_step` by the weights the
 batch started with; so a file pairs correctly exactly when scoring the weights it holds gives back the score that ranks
 it (`best_k_models`). Their training batches are noisy, so the scores go up and down and the top-k changes.
 """
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint, model_checkpoint
-from lightning.pytorch.callbacks._pre_step_snapshot import _PreStepCapture
+from lightning.pytorch.callbacks._pre_optimizer_step import _PreOptimizerStepState
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 PROBE_X = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
@@ -128,7 +129,7 @@ def fit(tmp_path, model, callbacks=(), checkpoints=None, max_steps=16, **trainer
 
 def checkpoint(dirpath, **kwargs):
     kwargs = {"monitor": "score", "every_n_train_steps": 2, "save_top_k": 3, **kwargs}
-    return ModelCheckpoint(dirpath=dirpath, filename="{step}", save_pre_optimizer_step_weights=True, **kwargs)
+    return ModelCheckpoint(dirpath=dirpath, filename="{step}", save_pre_optimizer_step_state=True, **kwargs)
 
 
 def load(path):
@@ -154,16 +155,36 @@ def assert_live(ckpt):
         assert not torch.equal(score_of(saved["state_dict"]), score.float()), path
 
 
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_score_logged_in_training_step_before_the_step_pairs_with_the_state_from_before_it(tmp_path, manual):
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, Net(manual=manual, log_in="before_step"))
+    assert_pairs(ckpt)
+    assert not messages(caught, "save_pre_optimizer_step_state")
+
+
+class ScoreTheLiveModel(Callback):
+    """A callback that scores the model in `on_train_batch_end`: after the step, with the weights it left."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.log("score", nn.functional.mse_loss(pl_module.head(PROBE_X), PROBE_Y).detach())
+
+
 @pytest.mark.parametrize(
-    ("manual", "log_in"), [(False, "before_step"), (True, "before_step"), (True, "after_step"), (False, None)]
+    ("manual", "log_in", "callback"),
+    [(True, "after_step", None), (False, None, LogScoreFromOutputs), (False, None, ScoreTheLiveModel)],
 )
-def test_a_score_computed_in_training_step_pairs_with_the_state_from_before_the_step(tmp_path, manual, log_in):
-    """Logged before or after the step, or by a callback that logs `outputs` in `on_train_batch_end`."""
-    callbacks = [LogScoreFromOutputs()] if log_in is None else []
+def test_a_score_logged_after_the_step_holds_the_live_state_with_one_warning(tmp_path, manual, log_in, callback):
+    """Logged after the step, the value may have been computed before it (`outputs`, a loss logged late) or after it
+    (a callback scoring the live model): the rule does not guess, so no file is marked pre-step."""
+    callbacks = [callback()] if callback else []
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, Net(manual=manual, log_in=log_in), callbacks=callbacks)
-    assert_pairs(ckpt)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
+    assert "'score' was logged after the batch's first optimizer step" in warning
+    assert "log it in `training_step` before the step" in warning
+    assert len(ckpt.best_k_models) == 3
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
 def test_the_file_holds_the_optimizer_and_scheduler_states_of_before_the_step(tmp_path):
@@ -234,7 +255,7 @@ def test_a_value_logged_anew_by_validation_ranks_as_without_the_option(tmp_path)
             every_n_train_steps=4,
             save_top_k=-1,
             filename="{step}",
-            save_pre_optimizer_step_weights=option,
+            save_pre_optimizer_step_state=option,
         )
         seed_everything(3)  # the same initial weights in both runs
         fit(tmp_path, AlsoInValidation(manual=False), checkpoints=[ckpt], val_check_interval=0.5, limit_val_batches=1)
@@ -253,28 +274,29 @@ def test_a_validation_score_keeps_the_deferral_and_the_live_weights(tmp_path):
     assert len(messages(caught, "'val_loss' was not logged during the batch")) == 1
 
 
-def count_copies(monkeypatch):
+def count_copies(monkeypatch, by_checkpoint=False):
     copies = []
-    original = _PreStepCapture.before_optimizer_step
+    original = _PreOptimizerStepState.on_before_optimizer_step
 
-    def spy(self, trainer, checkpoint):
+    def spy(self, trainer):
         before = self.copy
-        original(self, trainer, checkpoint)
+        original(self, trainer)
         if self.copy is not before:
-            copies.append(trainer.global_step)
+            copies.append((self._checkpoint, trainer.global_step) if by_checkpoint else trainer.global_step)
 
-    monkeypatch.setattr(_PreStepCapture, "before_optimizer_step", spy)
+    monkeypatch.setattr(_PreOptimizerStepState, "on_before_optimizer_step", spy)
     return copies
 
 
-@pytest.mark.parametrize(("every_n", "copied"), [(4, [1, 3, 5, 7, 9, 11, 13, 15]), (2, [1, 3, 5, 7, 9, 11, 13, 15])])
-def test_two_checkpoints_with_the_option_share_one_copy_per_batch(tmp_path, monkeypatch, every_n, copied):
-    copies = count_copies(monkeypatch)
+@pytest.mark.parametrize(("every_n", "copied"), [(4, [3, 7, 11, 15]), (2, [1, 3, 5, 7, 9, 11, 13, 15])])
+def test_two_checkpoints_with_the_option_each_copy_for_their_own_saves(tmp_path, monkeypatch, every_n, copied):
+    copies = count_copies(monkeypatch, by_checkpoint=True)
     every_2 = checkpoint(tmp_path / "a", save_top_k=-1)
     other = checkpoint(tmp_path / "b", every_n_train_steps=every_n, save_top_k=-1, save_weights_only=True, mode="max")
     fit(tmp_path, Net(manual=False), checkpoints=[every_2, other])
-    assert every_2._pre_step is None  # released at the end of training
-    assert copies == copied  # the batches that end at a multiple of a checkpoint's N: one copy for both
+    assert every_2._pre_optimizer_step is None  # released at the end of training
+    assert [step for ckpt, step in copies if ckpt is every_2] == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert [step for ckpt, step in copies if ckpt is other] == copied  # the batches that end at a multiple of N
     for ckpt in (every_2, other):
         for path, score in ckpt.best_k_models.items():
             torch.testing.assert_close(score_of(load(path)["state_dict"]), score.float(), rtol=0, atol=0)
@@ -331,7 +353,7 @@ def test_a_frozen_teacher_updated_in_place_before_the_score_does_not_matter(tmp_
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, WithTeacher())
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
     assert_pairs(ckpt)
 
 
@@ -407,7 +429,7 @@ def test_lightnings_gan_recipe_with_toggled_optimizers_pairs_each_score(tmp_path
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, Gan())
     assert_pairs(ckpt)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
 
 
 class FreezeHeadBias(Callback):
@@ -421,7 +443,7 @@ def test_freezing_a_parameter_during_the_fit_keeps_the_pairs(tmp_path):
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, Net(manual=False), callbacks=[FreezeHeadBias()], max_steps=16)
     assert_pairs(ckpt)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
 
 
 def test_a_frozen_backbone_that_the_optimizer_holds_is_not_copied(tmp_path, monkeypatch):
@@ -433,14 +455,14 @@ def test_a_frozen_backbone_that_the_optimizer_holds_is_not_copied(tmp_path, monk
             self.backbone = nn.Linear(64, 64).requires_grad_(False)
 
     copied = []
-    original = _PreStepCapture.before_optimizer_step
+    original = _PreOptimizerStepState.on_before_optimizer_step
 
-    def spy(self, trainer, checkpoint):
-        original(self, trainer, checkpoint)
+    def spy(self, trainer):
+        original(self, trainer)
         if self.copy is not None:
             copied.append(set(self.copy["params"]))
 
-    monkeypatch.setattr(_PreStepCapture, "before_optimizer_step", spy)
+    monkeypatch.setattr(_PreOptimizerStepState, "on_before_optimizer_step", spy)
     _, (ckpt,) = fit(tmp_path, WithBackbone())
     assert_pairs(ckpt)
     assert copied

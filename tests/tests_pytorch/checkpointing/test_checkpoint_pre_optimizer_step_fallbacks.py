@@ -1,4 +1,4 @@
-"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` (issue #20947): where the rule cannot apply, the checkpoint
+"""`ModelCheckpoint(save_pre_optimizer_step_state=True)` (issue #20947): where the rule cannot apply, the checkpoint
 holds the live weights, as without the option, with one warning; nothing is left behind by a fit that raises."""
 
 import gc
@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
+from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
     PROBE_X,
     PROBE_Y,
     Net,
@@ -28,8 +28,8 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
     score_of,
 )
 
-FALLBACK = "saves the live weights as if it were off"
-LIVE = "holds the live weights, after the optimizer step, as without the option"
+FALLBACK = "saves the live state, as if it were off"
+LIVE = "holds the live state, after the optimizer step"
 
 
 class DuckSGD:
@@ -70,7 +70,7 @@ def test_any_optimizable_works(tmp_path, weights_only):
             tmp_path, DuckNet(manual=False), checkpoints=[checkpoint(tmp_path, save_weights_only=weights_only)]
         )
     assert_pairs(ckpt)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
 
 
 def test_a_step_lightning_does_not_see_falls_back_with_one_warning(tmp_path):
@@ -94,8 +94,11 @@ def test_a_step_lightning_does_not_see_falls_back_with_one_warning(tmp_path):
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, RawFirst(manual=True))
-    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
-    assert warning.endswith("the weights changed outside Lightning's optimizer steps (e.g. `use_pl_optimizer=False`).")
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
+    assert warning.endswith(
+        "the weights changed in a step that `on_before_optimizer_step` did not see (`use_pl_optimizer=False`, or an override of the hook"
+        " that does not call `super()`)."
+    )
     assert_live(ckpt)
 
 
@@ -116,7 +119,7 @@ def test_a_raw_step_before_lightnings_first_step_falls_back(tmp_path):
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, RawThenWrapped(manual=True))
-    assert len(messages(caught, "the weights changed outside Lightning's optimizer steps")) == 1
+    assert len(messages(caught, "the weights changed in a step that `on_before_optimizer_step` did not see")) == 1
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
@@ -147,7 +150,7 @@ def test_a_batch_without_an_optimizer_step_that_enters_the_top_k_does_not_warn(t
     assert saved["global_step"] == 14
     assert "pre_optimizer_step" not in saved  # saved by the batch without a step: nothing to swap
     torch.testing.assert_close(score_of(saved["state_dict"]), score.float(), rtol=0, atol=0)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
 
 
 class StateDictWithPrefix(Net):
@@ -192,7 +195,7 @@ def test_what_the_rule_cannot_serve_falls_back_with_one_warning(tmp_path, kwargs
         _, (ckpt,) = fit(tmp_path, model, **kwargs)
     assert len(messages(caught, FALLBACK)) == 1
     assert expected in messages(caught, FALLBACK)[0]
-    assert ckpt._pre_step is None
+    assert ckpt._pre_optimizer_step is None
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
@@ -279,23 +282,23 @@ def test_a_fit_that_raises_leaves_no_reference_to_the_trainer(tmp_path, in_on_ex
         trainer.fit(model)
     assert not reaches(ckpt, trainer)
     assert not reaches(ckpt, model)
-    assert (ckpt._pre_step is None) is not in_on_exception
+    assert (ckpt._pre_optimizer_step is None) is not in_on_exception
     # the next fit captures again
     fit(tmp_path, Net(manual=False), checkpoints=[ckpt])
-    assert ckpt._pre_step is None
+    assert ckpt._pre_optimizer_step is None
     assert_pairs(ckpt)
 
 
 def test_a_save_that_raised_leaves_the_next_fit_as_without_the_error(tmp_path, monkeypatch):
     """A save that raises inside the pre-step path must not leave it on for the next fit's other saves."""
     ckpt = checkpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)
-    original = Trainer.save_checkpoint
+    original = SingleDeviceStrategy.save_checkpoint
 
     def fail_once(self, *args, **kwargs):
-        monkeypatch.setattr(Trainer, "save_checkpoint", original)
+        monkeypatch.setattr(SingleDeviceStrategy, "save_checkpoint", original)
         raise OSError("disk full")
 
-    monkeypatch.setattr(Trainer, "save_checkpoint", fail_once)
+    monkeypatch.setattr(SingleDeviceStrategy, "save_checkpoint", fail_once)
     with pytest.raises(OSError, match="disk full"):
         fit(tmp_path / "first", Net(manual=False), checkpoints=[ckpt])
     ckpt.monitor = "val_loss"  # a validation score: its saves are deferred to validation, and hold the live state
@@ -309,8 +312,8 @@ def test_a_save_that_raised_leaves_the_next_fit_as_without_the_error(tmp_path, m
 )
 def test_the_option_without_a_top_k_save_at_batch_end_is_an_error(kwargs):
     kwargs = {"monitor": "score", "every_n_train_steps": 2, **kwargs}
-    with pytest.raises(MisconfigurationException, match="save_pre_optimizer_step_weights=True"):
-        ModelCheckpoint(save_pre_optimizer_step_weights=True, **kwargs)
+    with pytest.raises(MisconfigurationException, match="save_pre_optimizer_step_state=True"):
+        ModelCheckpoint(save_pre_optimizer_step_state=True, **kwargs)
 
 
 def test_the_saved_models_notice_names_the_option(tmp_path):
@@ -322,17 +325,17 @@ def test_the_saved_models_notice_names_the_option(tmp_path):
     with recorded_warnings() as caught:
         fit(tmp_path, Workaround(manual=True), checkpoints=[ModelCheckpoint(tmp_path, every_n_train_steps=2)])
     (notice,) = messages(caught, "no longer reads the `saved_models` attribute")
-    assert "`ModelCheckpoint(save_pre_optimizer_step_weights=True)`" in notice
+    assert "`ModelCheckpoint(save_pre_optimizer_step_state=True)`" in notice
 
 
 def test_without_the_option_files_hold_the_live_weights(tmp_path):
     ckpt = ModelCheckpoint(tmp_path, monitor="score", every_n_train_steps=2, save_top_k=3)
     _, _ = fit(tmp_path, Net(manual=True), checkpoints=[ckpt])
-    assert ckpt._pre_step is None
+    assert ckpt._pre_optimizer_step is None
     assert_live(ckpt)
 
 
-def test_a_score_first_logged_between_two_steps_holds_the_live_state_with_one_warning(tmp_path):
+def test_a_score_logged_between_two_steps_holds_the_live_state_with_one_warning(tmp_path):
     """Lightning's GAN example steps the generator first, then logs the discriminator's loss, computed on samples of
     the stepped generator, before the discriminator's step: no state of the batch computed it, so no file is marked."""
 
@@ -358,8 +361,8 @@ def test_a_score_first_logged_between_two_steps_holds_the_live_state_with_one_wa
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, GeneratorFirst(), checkpoints=[checkpoint(tmp_path, every_n_train_steps=4)])
-    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
-    assert "'score' was first logged between two optimizer steps of the batch" in warning
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
+    assert "'score' was logged after the batch's first optimizer step" in warning
     assert ckpt.best_k_models
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
@@ -370,4 +373,26 @@ def test_a_checkpoint_ranked_by_the_step_keeps_the_live_state_without_a_warning(
         _, (ckpt,) = fit(tmp_path, Net(), checkpoints=[checkpoint(tmp_path, monitor="step", mode="max")])
     assert sorted(load(path)["global_step"] for path in ckpt.best_k_models) == [12, 14, 16]
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
+
+
+class SkipsSuper(ModelCheckpoint):
+    """A subclass whose hook overrides do not call `super()`."""
+
+    def __init__(self, hook, **kwargs):
+        super().__init__(**kwargs)
+        setattr(self, hook, lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_start", "on_before_optimizer_step"])
+def test_a_subclass_that_skips_super_in_a_hook_never_gets_a_wrong_pair(tmp_path, hook):
+    """Without the batch start, the checkpoint saves as without the option; without the step, the weights changed in a
+    step it did not see, which the warning says. Neither raises, and no file is marked."""
+    kwargs = {"monitor": "score", "every_n_train_steps": 2, "save_top_k": 3, "filename": "{step}"}
+    ckpt = SkipsSuper(hook, dirpath=tmp_path, save_pre_optimizer_step_state=True, **kwargs)
+    with recorded_warnings() as caught:
+        fit(tmp_path, Net(manual=False), checkpoints=[ckpt])
+    assert len(ckpt.best_k_models) == 3
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+    expected = 1 if hook == "on_before_optimizer_step" else 0
+    assert len(messages(caught, "`on_before_optimizer_step` did not see")) == expected

@@ -1,10 +1,12 @@
-"""`ModelCheckpoint(save_pre_optimizer_step_weights=True)` (issue #20947): what the option copies.
+"""`ModelCheckpoint(save_pre_optimizer_step_state=True)` (issue #20947): what the option copies.
 
 A copy is taken only in a batch whose optimizer steps can end on a save, predicted from the steps of the batches
 before, and not for a monitor that the batches which saved did not log.
 """
 
 import gc
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
+from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
     PROBE_X,
     PROBE_Y,
     Gan,
@@ -32,30 +34,27 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_step import (
 
 @pytest.mark.parametrize("manual", [False, True])
 def test_a_monitor_that_no_training_batch_logs_takes_no_copies(tmp_path, monkeypatch, manual):
-    """A validation score cannot be paired: once a batch that could save has ended without logging it, no batch
-    copies for it. Only the first such batch copies: the one at global step 1 (automatic optimization), or the first
-    batch (manual optimization: how many steps a batch takes is not known before one has ended). Without that rule,
-    every second batch copies."""
+    """A validation score is not logged before a training batch's optimizer step, so no batch copies for it."""
     copies = count_copies(monkeypatch)
     ckpt = checkpoint(tmp_path, monitor="val_loss", save_top_k=-1)
     fit(tmp_path, Net(manual=manual), checkpoints=[ckpt], max_steps=24, limit_val_batches=1, val_check_interval=4)
     assert ckpt.best_k_models
-    assert copies == ([0] if manual else [1])
+    assert copies == []
 
 
 @pytest.mark.parametrize(
-    ("model", "copied"), [(Net(log_in="after_step"), [0, 3, 7, 11, 15]), (Gan(), [0, 2, 6, 10, 14])]
+    ("model", "copied"), [(Net(log_in="before_step"), [0, 3, 7, 11, 15]), (Gan(), [0, 2, 6, 10, 14])]
 )
 def test_manual_optimization_copies_only_in_batches_whose_steps_end_on_a_save(tmp_path, monkeypatch, model, copied):
-    """`every_n_train_steps=4`, a score known only after the step: the batches copy whose steps, as many as the batch
-    before took (one, or the GAN's two), end on a multiple of 4; the first batch copies, as nothing is known yet."""
+    """`every_n_train_steps=4`, `save_top_k=-1`: the batches copy whose steps, as many as the batches before took (one,
+    or the GAN's two), end on a multiple of 4; the first batch copies, as nothing is known yet."""
     copies = count_copies(monkeypatch)
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)])
     assert copies == copied  # the global step at each copy, before the batch's steps
     assert sorted(load(path)["global_step"] for path in ckpt.best_k_models) == [4, 8, 12, 16]
     assert_pairs(ckpt)
-    assert not messages(caught, "save_pre_optimizer_step_weights")
+    assert not messages(caught, "save_pre_optimizer_step_state")
 
 
 def test_a_batch_that_takes_more_steps_than_those_before_holds_the_live_state_with_one_warning(tmp_path):
@@ -81,13 +80,14 @@ def test_a_batch_that_takes_more_steps_than_those_before_holds_the_live_state_wi
     for saved, score in files.values():
         assert saved["pre_optimizer_step"]["global_step"] == saved["global_step"] - 1
         torch.testing.assert_close(score_of(saved["state_dict"]), score.float(), rtol=0, atol=0)
-    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
     assert "the batch took 2 optimizer step(s) where those before took [1], so nothing was copied" in warning
 
 
 def test_each_warning_names_one_cause(tmp_path):
     """The score logged before the step cannot enter the top 1, so nothing is copied; a better value is logged after the
-    step, which enters it. The warning says that, not that the weights changed outside Lightning's steps."""
+    step, which enters it. The warning says that, not that the weights changed outside Lightning's steps or that the
+    value could not enter the top-k."""
 
     class BetterAfterTheStep(Net):
         def training_step(self, batch, batch_idx):
@@ -97,10 +97,10 @@ def test_each_warning_names_one_cause(tmp_path):
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, BetterAfterTheStep(log_in=None), checkpoints=[checkpoint(tmp_path, save_top_k=1)])
-    (warning,) = messages(caught, "save_pre_optimizer_step_weights")
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
     assert warning.endswith(
-        "holds the live weights, after the optimizer step, as without the option: the value logged before the optimizer"
-        " step could not enter the top-k, so nothing was copied."
+        "holds the live state, after the optimizer step: 'score' was logged after the batch's first optimizer step, so"
+        " the state before it may not have computed it: log it in `training_step` before the step."
     )
     assert "pre_optimizer_step" not in load(ckpt.best_model_path)
 
@@ -122,7 +122,7 @@ class Wide(LightningModule):
         optimizer.zero_grad()
         self.manual_backward(loss)
         optimizer.step()
-        self.log("train_loss", loss)  # after the step: unknown when the copy is taken
+        self.log("train_loss", loss)  # after the step: the file holds the live state
         return None
 
     def validation_step(self, batch, batch_idx):
@@ -170,7 +170,7 @@ def test_no_copy_outlives_the_saves_that_can_use_it(tmp_path, monitor, mode, man
             every_n_train_steps=2,
             save_top_k=1,
             mode=mode,
-            save_pre_optimizer_step_weights=option,
+            save_pre_optimizer_step_state=option,
         )
         trainer = Trainer(
             default_root_dir=tmp_path,
@@ -185,3 +185,27 @@ def test_no_copy_outlives_the_saves_that_can_use_it(tmp_path, monitor, mode, man
         assert ckpt.best_k_models
         held.append(measure.held)
     assert held[1] == held[2]
+
+
+def test_train_time_interval_copies_only_in_batches_that_can_end_past_the_interval(tmp_path, monkeypatch):
+    """Batches of about 10 ms and a save every 50 ms: a batch copies only if, taking 1.5 times as long as the batch
+    before, it ends past the interval, so about one batch per save, not every batch while the top-k fills."""
+
+    class Steady(Net):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.01)
+            return super().training_step(batch, batch_idx)
+
+    copies, saves = count_copies(monkeypatch), []
+    ckpt = checkpoint(tmp_path, every_n_train_steps=None, train_time_interval=timedelta(milliseconds=50), save_top_k=-1)
+    save = ckpt._save_checkpoint
+    monkeypatch.setattr(ckpt, "_save_checkpoint", lambda trainer, path: saves.append(path) or save(trainer, path))
+    with recorded_warnings() as caught:
+        fit(tmp_path, Steady(manual=False), checkpoints=[ckpt], max_steps=40)
+    live = len(messages(caught, "save_pre_optimizer_step_state"))
+    assert len(saves) >= 4
+    assert len(copies) <= 2 * len(saves), (copies, saves)  # 40 before: every batch, while the top-k filled
+    marked = [path for path in ckpt.best_k_models if "pre_optimizer_step" in load(path)]
+    assert len(marked) + live >= len(saves) - 1  # every file is paired, or its warning says why not
+    for path in marked:
+        torch.testing.assert_close(score_of(load(path)["state_dict"]), ckpt.best_k_models[path].float(), rtol=0, atol=0)
