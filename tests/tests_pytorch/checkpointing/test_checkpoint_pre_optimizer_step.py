@@ -8,16 +8,17 @@ it (`best_k_models`). Their training batches are noisy, so the scores go up and 
 """
 
 import warnings
+from collections import namedtuple
 from contextlib import contextmanager
 
 import pytest
 import torch
+from lightning.pytorch.callbacks._pre_optimizer_step import _PreOptimizerStepState
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint, model_checkpoint
-from lightning.pytorch.callbacks._pre_optimizer_step import _PreOptimizerStepState
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 PROBE_X = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
@@ -467,3 +468,27 @@ def test_a_frozen_backbone_that_the_optimizer_holds_is_not_copied(tmp_path, monk
     assert_pairs(ckpt)
     assert copied
     assert all(names == {"head.weight", "head.bias"} for names in copied), copied
+
+
+Warmup = namedtuple("Warmup", ["steps", "factor"])
+
+
+def test_a_scheduler_state_with_a_namedtuple_is_copied(tmp_path):
+    """The copied states are rebuilt as they are (a namedtuple, a dataclass), their tensors cloned."""
+
+    class WithWarmup(torch.optim.lr_scheduler.StepLR):
+        def __init__(self, *args, **kwargs):
+            self.warmup = Warmup(steps=2, factor=torch.tensor(0.5))
+            super().__init__(*args, **kwargs)
+
+    class Scheduled(Net):
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+            scheduler = WithWarmup(optimizer, step_size=1, gamma=0.9)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    _, (ckpt,) = fit(tmp_path, Scheduled(manual=False))
+    assert_pairs(ckpt)
+    warmup = load(ckpt.best_model_path)["lr_schedulers"][0]["warmup"]
+    assert isinstance(warmup, Warmup)
+    assert warmup.steps == 2

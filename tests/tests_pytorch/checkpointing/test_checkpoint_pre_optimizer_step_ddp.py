@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from lightning.pytorch import Callback, Trainer, seed_everything
-from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import PROBE_X, PROBE_Y, Net, checkpoint, load, score_of
+from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
+    PROBE_X,
+    PROBE_Y,
+    Net,
+    checkpoint,
+    load,
+    score_of,
+)
 
 pytestmark = [
     pytest.mark.timeout(240),

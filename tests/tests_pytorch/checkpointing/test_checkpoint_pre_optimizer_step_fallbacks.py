@@ -96,8 +96,8 @@ def test_a_step_lightning_does_not_see_falls_back_with_one_warning(tmp_path):
         _, (ckpt,) = fit(tmp_path, RawFirst(manual=True))
     (warning,) = messages(caught, "save_pre_optimizer_step_state")
     assert warning.endswith(
-        "the weights changed in a step that `on_before_optimizer_step` did not see (`use_pl_optimizer=False`, or an override of the hook"
-        " that does not call `super()`)."
+        "the weights changed in a step that `on_before_optimizer_step` did not see (`use_pl_optimizer=False`, or an"
+        " override of the hook that does not call `super()`)."
     )
     assert_live(ckpt)
 
@@ -222,7 +222,7 @@ def test_a_layer_swapped_during_the_fit_falls_back_once(tmp_path):
 def test_a_state_dict_that_does_not_name_the_parameters_falls_back(tmp_path):
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, StateDictWithPrefix(manual=False))
-    assert len(messages(caught, "its state dict renames them")) == 1
+    assert len(messages(caught, "does not name its parameters as `named_parameters()` does")) == 1
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
@@ -316,6 +316,11 @@ def test_the_option_without_a_top_k_save_at_batch_end_is_an_error(kwargs):
         ModelCheckpoint(save_pre_optimizer_step_state=True, **kwargs)
 
 
+def test_an_option_value_that_is_not_a_bool_is_an_error():
+    with pytest.raises(MisconfigurationException, match="`save_pre_optimizer_step_state` must be a bool, got 'no'"):
+        ModelCheckpoint(monitor="score", every_n_train_steps=2, save_pre_optimizer_step_state="no")
+
+
 def test_the_saved_models_notice_names_the_option(tmp_path):
     class Workaround(Net):
         def training_step(self, batch, batch_idx):
@@ -386,13 +391,61 @@ class SkipsSuper(ModelCheckpoint):
 
 @pytest.mark.parametrize("hook", ["on_train_batch_start", "on_before_optimizer_step"])
 def test_a_subclass_that_skips_super_in_a_hook_never_gets_a_wrong_pair(tmp_path, hook):
-    """Without the batch start, the checkpoint saves as without the option; without the step, the weights changed in a
-    step it did not see, which the warning says. Neither raises, and no file is marked."""
+    """Without the batch start or the step, the checkpoint saves as without the option, and one warning says why.
+    Neither raises, and no file is marked."""
     kwargs = {"monitor": "score", "every_n_train_steps": 2, "save_top_k": 3, "filename": "{step}"}
     ckpt = SkipsSuper(hook, dirpath=tmp_path, save_pre_optimizer_step_state=True, **kwargs)
     with recorded_warnings() as caught:
         fit(tmp_path, Net(manual=False), checkpoints=[ckpt])
     assert len(ckpt.best_k_models) == 3
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
-    expected = 1 if hook == "on_before_optimizer_step" else 0
-    assert len(messages(caught, "`on_before_optimizer_step` did not see")) == expected
+    expected = {
+        "on_train_batch_start": "`ModelCheckpoint.on_train_batch_start` did not run",
+        "on_before_optimizer_step": "`on_before_optimizer_step` did not see",
+    }[hook]
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
+    assert expected in warning
+
+
+def test_an_override_of_trainer_save_checkpoint_falls_back_with_one_warning(tmp_path):
+    """The pre-step file is written without `Trainer.save_checkpoint`, so an override of it would be skipped."""
+    written = []
+
+    class UploadingTrainer(Trainer):
+        def save_checkpoint(self, filepath, weights_only=None, storage_options=None):
+            written.append(filepath)
+            super().save_checkpoint(filepath, weights_only, storage_options)
+
+    ckpt = checkpoint(tmp_path)
+    trainer = UploadingTrainer(
+        default_root_dir=tmp_path,
+        max_steps=16,
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    with recorded_warnings() as caught:
+        trainer.fit(Net(manual=False))
+    (warning,) = messages(caught, FALLBACK)
+    assert "`Trainer.save_checkpoint` is overridden" in warning
+    assert set(ckpt.best_k_models) <= set(written)
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+
+
+class ZeroWeightsOnSave(Callback):
+    """Replaces the weights of every checkpoint, as an EMA callback writes its averages in `on_save_checkpoint`."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["state_dict"] = {name: torch.zeros_like(value) for name, value in checkpoint["state_dict"].items()}
+
+
+def test_weights_an_on_save_checkpoint_hook_wrote_are_kept_with_one_warning(tmp_path):
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, Net(manual=False), callbacks=[ZeroWeightsOnSave()])
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
+    assert "an `on_save_checkpoint` hook replaced them" in warning
+    for path in ckpt.best_k_models:
+        saved = load(path)
+        assert "pre_optimizer_step" not in saved
+        assert all(not value.any() for value in saved["state_dict"].values())

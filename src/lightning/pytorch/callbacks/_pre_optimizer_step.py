@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 import lightning.pytorch as pl
@@ -65,27 +66,36 @@ class _PreOptimizerStepState:
 
     def on_train_batch_start(self, trainer: "pl.Trainer") -> None:
         self._free()
-        self._in_batch, self._start_step, self._start_time = True, trainer.global_step, time.monotonic()
-        self._armed = self._can_save(trainer, self._steps_per_batch | {0})
+        self._in_batch, self._start_step = True, trainer.global_step
+        if self._checkpoint._train_time_interval is not None:
+            self._start_time = time.monotonic()
+        self._armed = self._can_save(self._steps_per_batch)
         if self._armed:  # `callback_metrics` builds a dict of every logged value: only where a save can follow
             self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad]
             self._start_value = trainer.callback_metrics.get(self._checkpoint.monitor)  # type: ignore[arg-type]
 
-    def _can_save(self, trainer: "pl.Trainer", steps: set[int]) -> bool:
+    def _can_save(self, steps: set[int]) -> bool:
         """Whether the batch can end on a save if it takes one of ``steps`` optimizer steps (any, if none is known)."""
         checkpoint = self._checkpoint
         if checkpoint._train_time_interval is not None:
             # whether the batch ends after the interval, if it takes 1.5 times as long as the one before
             elapsed = self._start_time - (checkpoint._last_time_checked or 0.0) + 1.5 * self._batch_seconds
             return elapsed >= checkpoint._train_time_interval.total_seconds()
-        every_n, step = checkpoint._every_n_train_steps, trainer.global_step
+        every_n, step = checkpoint._every_n_train_steps, self._start_step
         return not steps - {0} or any((step + k) % every_n == 0 for k in steps)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer") -> None:
+        if not self._in_batch:
+            self._warning_cache.warn(
+                "`save_pre_optimizer_step_state=True` saves the live state: `ModelCheckpoint.on_train_batch_start` did"
+                " not run (an override that does not call `super()`)."
+            )
         if self._stepped or not self._in_batch:
             return
         self._stepped = True
-        if not self._armed or not self._can_save(trainer, self._steps_per_batch - {0}):
+        # the batch steps, so it can end on a save only after as many steps as a batch that stepped took
+        self._armed = self._armed and self._can_save(self._steps_per_batch - {0})
+        if not self._armed:
             return
         self._step_value = value = trainer.callback_metrics.get(self._checkpoint.monitor)  # type: ignore[arg-type]
         if not self._logged_in_batch(value) or not self._can_enter_top_k(value):  # type: ignore[arg-type]
@@ -93,20 +103,22 @@ class _PreOptimizerStepState:
         self._outside = any(p._version != version for p, version in self._versions)
         if self._outside:  # an in-place update Lightning did not see: the state the batch started with is gone
             return
-        clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
         trained = {p for p, _ in self._versions}  # and those that `toggle_optimizer` froze since the batch started
+        clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
+        params = {}
         with torch.no_grad():
-            params = {
-                name: (p, clones.setdefault(p, p.detach().clone()))
-                for name, p in self._named_params
-                if p.requires_grad or p in trained
-            }
+            for name, p in self._named_params:
+                if p.requires_grad or p in trained:
+                    if p not in clones:
+                        clones[p] = p.detach().clone()
+                    params[name] = (p, clones[p])
         states = {}
         if not self._checkpoint.save_weights_only:
-            states = _clone({
+            states = {
                 "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            })
+            }
+            states = apply_to_collection(states, Tensor, lambda tensor: tensor.detach().clone())
         self.copy = {"global_step": trainer.global_step, "params": params, "states": states}
 
     def _logged_in_batch(self, value: Optional[Tensor]) -> bool:
@@ -131,7 +143,9 @@ class _PreOptimizerStepState:
         steps = trainer.global_step - self._start_step
         if self._stepped or steps == 0:
             self._steps_per_batch.add(steps)
-        self._batch_seconds, self._in_batch = time.monotonic() - self._start_time, False
+        if self._checkpoint._train_time_interval is not None:
+            self._batch_seconds = time.monotonic() - self._start_time
+        self._in_batch = False
         copied, value, reason = self.copy, self._deferred_value, self._deferred_reason
         self._free()
         if value is not None:
@@ -179,13 +193,13 @@ class _PreOptimizerStepState:
         in_batch = self._in_batch or deferred
         reason = None if not in_batch else self._deferred_reason if self._deferred else self._why_live(trainer, value)
         if in_batch and reason is None and copied is not None:
-            # as `Trainer.save_checkpoint`, with the copy written in place of the live state
-            dumped = trainer._checkpoint_connector.dump_checkpoint(checkpoint.save_weights_only)
-            if not _write(copied, dumped, trainer.lightning_module):
-                reason = "the module's parameters changed during the fit, or its state dict renames them"
-                self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
-            trainer.strategy.save_checkpoint(dumped, filepath)
-            trainer.strategy.barrier("Trainer.save_checkpoint")
+            with trainer.profiler.profile("save_checkpoint"):  # as `Trainer.save_checkpoint`, with the copy in place
+                dumped = trainer._checkpoint_connector.dump_checkpoint(checkpoint.save_weights_only)
+                reason = _write(copied, dumped, trainer.lightning_module)
+                if reason is not None:
+                    self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
+                trainer.strategy.save_checkpoint(dumped, filepath)
+                trainer.strategy.barrier("Trainer.save_checkpoint")
         else:
             trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
         if reason is not None:
@@ -195,36 +209,27 @@ class _PreOptimizerStepState:
             )
 
 
-def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.LightningModule") -> bool:
-    """Puts the copy in place of the live values in ``checkpoint``, if it holds exactly the trainable parameters."""
+def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.LightningModule") -> Optional[str]:
+    """Puts the copy in place of the live values in ``checkpoint``, or says why it cannot."""
     params, state_dict = copied["params"], checkpoint["state_dict"]
     named = module.named_parameters(remove_duplicate=False)
     if any(p.requires_grad and params.get(name, (None,))[0] is not p for name, p in named):
-        return False
+        return "the module's parameters changed during the fit"
     if any(name not in state_dict for name in params):
-        return False
+        return "the module's state dict does not name its parameters as `named_parameters()` does"
+    if any(state_dict[name].data_ptr() != p.data_ptr() for name, (p, _) in params.items()):
+        return "the checkpoint's weights are not the module's parameters (an `on_save_checkpoint` hook replaced them)"
     states = copied["states"] if "optimizer_states" in checkpoint else {}
     if states and len(states["optimizer_states"]) != len(checkpoint["optimizer_states"]):
-        return False
+        return "the number of optimizers changed"
     state_dict.update({name: clone for name, (_, clone) in params.items()})
     checkpoint.update(states)
     checkpoint[PRE_OPTIMIZER_STEP_KEY] = {"global_step": copied["global_step"]}
-    return True
+    return None
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
     return a.data_ptr() == b.data_ptr()
-
-
-def _clone(obj: Any) -> Any:
-    """A copy of a state dict: its tensors cloned, its containers rebuilt."""
-    if isinstance(obj, Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, (dict, list, tuple)):
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        cloned = {key: _clone(value) for key, value in items}
-        return cloned if isinstance(obj, dict) else type(obj)(cloned.values())
-    return obj
 
 
 def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[str]:
@@ -232,6 +237,8 @@ def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[st
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
     from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
+    if type(trainer).save_checkpoint is not pl.Trainer.save_checkpoint:
+        return "`Trainer.save_checkpoint` is overridden, and the file is written without it."
     cls = type(trainer.strategy)
     if (
         issubclass(cls, DeepSpeedStrategy)
