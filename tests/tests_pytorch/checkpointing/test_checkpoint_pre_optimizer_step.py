@@ -13,12 +13,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from lightning.pytorch.callbacks._pre_optimizer_step import _PreOptimizerStepState
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint, model_checkpoint
+from lightning.pytorch.callbacks._pre_optimizer_step import _PreOptimizerStepState
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 PROBE_X = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
