@@ -449,3 +449,28 @@ def test_weights_an_on_save_checkpoint_hook_wrote_are_kept_with_one_warning(tmp_
         saved = load(path)
         assert "pre_optimizer_step" not in saved
         assert all(not value.any() for value in saved["state_dict"].values())
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_end", "on_train_epoch_end"])
+def test_a_step_outside_a_batch_does_not_warn(tmp_path, hook):
+    """Manual optimization may step after the checkpoint's batch-end hook (the module's `on_train_batch_end`, which runs
+    after it) or at the end of an epoch: after the batch's saves, so the files pair and nothing warns."""
+
+    class StepsLate(Net):
+        def training_step(self, batch, batch_idx):
+            self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y))
+            self.manual_backward(nn.functional.mse_loss(self.head(batch[0]), batch[1]))
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if hook == "on_train_batch_end":
+                self.optimizers().step()
+                self.optimizers().zero_grad()
+
+        def on_train_epoch_end(self):
+            if hook == "on_train_epoch_end":
+                self.optimizers().step()
+                self.optimizers().zero_grad()
+
+    with recorded_warnings() as caught:
+        fit(tmp_path, StepsLate(manual=True), checkpoints=[checkpoint(tmp_path, every_n_train_steps=1)], max_epochs=2)
+    assert not messages(caught, "save_pre_optimizer_step_state")

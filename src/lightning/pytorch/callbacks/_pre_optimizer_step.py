@@ -42,7 +42,7 @@ class _PreOptimizerStepState:
         self._steps_per_batch = {1} if trainer.lightning_module.automatic_optimization else set()
         self._batch_seconds = 0.0  # how long the last batch took, to predict a `train_time_interval` save
         self._warning_cache = WarningCache()
-        self._in_batch = False
+        self._in_batch = self._started = False  # in a batch now; and since the fit started
         self._start_step, self._start_time = 0, 0.0
         self._free()
 
@@ -66,7 +66,8 @@ class _PreOptimizerStepState:
 
     def on_train_batch_start(self, trainer: "pl.Trainer") -> None:
         self._free()
-        self._in_batch, self._start_step = True, trainer.global_step
+        self._in_batch = self._started = True
+        self._start_step = trainer.global_step
         if self._checkpoint._train_time_interval is not None:
             self._start_time = time.monotonic()
         self._armed = self._can_save(self._steps_per_batch)
@@ -85,7 +86,7 @@ class _PreOptimizerStepState:
         return not steps - {0} or any((step + k) % every_n == 0 for k in steps)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer") -> None:
-        if not self._in_batch:
+        if not self._started:  # a step outside a batch (in `on_train_epoch_end`) comes after its saves, and is fine
             self._warning_cache.warn(
                 "`save_pre_optimizer_step_state=True` saves the live state: `ModelCheckpoint.on_train_batch_start` did"
                 " not run (an override that does not call `super()`)."
