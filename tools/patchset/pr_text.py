@@ -157,6 +157,8 @@ def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]
     files = patch_files(project, patch)
     docs = [f for f in files if f.startswith("docs/") or f.endswith(".rst")]
     tests = [f for f in files if f.startswith("tests/")]
+    docstrings = patch.field("Docs")
+    docs_changed = ([", ".join(f"`{p}`" for p in docs)] if docs else []) + ([docstrings] if docstrings else [])
     depends = patch.field("Depends-On")
     breaking = breaking_changes(patch)
     entries = [f"`{e.package}` {e.section}: {e.text}" for e in patch.changelog]
@@ -176,7 +178,7 @@ def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]
         (re.compile(r"only one thing", re.I), Answer(True, one + ".")),
         (
             re.compile(r"update the documentation", re.I),
-            Answer(bool(docs), f"Yes: {listed(docs)}." if docs else "No documentation change in this PR."),
+            Answer(bool(docs_changed), f"Yes: {'; '.join(docs_changed)}." if docs_changed else "No docs change."),
         ),
         (
             re.compile(r"new necessary tests", re.I),

@@ -14,7 +14,8 @@ SERIES_FILE = Path("patches") / "series"
 CHANGELOG_SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed")
 # Trailers kept in the fork only: they describe the patch's life here, not the upstream change.
 # `Bug:` an upstream issue the patch fixes, `Part-Of:` one it fixes only part of, `Agreed:` where a maintainer agreed,
-# `Feature-Request:` the project's file with the request a feature needs upstream before its PR
+# `Feature-Request:` the project's file with the request a feature needs upstream before its PR,
+# `Docs:` documentation the patch changes outside `docs/` (a docstring that the API reference shows)
 FORK_TRAILERS = (
     "Forwarded",
     "Applied-Upstream",
@@ -26,6 +27,7 @@ FORK_TRAILERS = (
     "Feature-Request",
     "Mirrors",
     "Depends-On",
+    "Docs",
 )
 # the fields that name upstream issues, and how a commit message or a PR text refers to them
 ISSUE_FIELDS = (("Bug", "Fixes"), ("Part-Of", "Part of"))
