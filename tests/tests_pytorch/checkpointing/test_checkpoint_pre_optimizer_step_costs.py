@@ -210,3 +210,32 @@ def test_train_time_interval_copies_only_in_batches_that_can_end_past_the_interv
     assert len(copies) == len(saves), (copies, saves)  # 40 before: every batch, while the top-k filled
     assert not messages(caught, "save_pre_optimizer_step_state")
     assert_pairs(ckpt)
+
+
+def test_an_unpredicted_save_after_a_batch_without_a_step_holds_the_live_state_without_a_warning(tmp_path, monkeypatch):
+    """`accumulate_grad_batches=2` and a save every 50 ms: a batch that takes no optimizer step runs long and ends past
+    the interval, which no batch time predicted, so nothing was copied. None is needed: the batch did not step, so the
+    live state computed its score, and its file pairs without a warning."""
+    clock, batches = [1000.0], []
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    class SlowOnce(Net):
+        def training_step(self, batch, batch_idx):
+            batches.append((self.trainer.current_epoch, batch_idx))
+            clock[0] += 0.2 if batches[-1] == (1, 4) else 0.011
+            return super().training_step(batch, batch_idx)
+
+    saved_after = []
+    ckpt = checkpoint(tmp_path, every_n_train_steps=None, train_time_interval=timedelta(milliseconds=50), save_top_k=-1)
+    save = ckpt._save_checkpoint
+    monkeypatch.setattr(ckpt, "_save_checkpoint", lambda t, path: saved_after.append(batches[-1]) or save(t, path))
+    with recorded_warnings() as caught:
+        fit(tmp_path, SlowOnce(manual=False), checkpoints=[ckpt], max_steps=12, accumulate_grad_batches=2)
+    assert (1, 4) in saved_after  # the slow batch without a step (steps end the odd batches) saved
+    assert not messages(caught, "save_pre_optimizer_step_state")
+    files = [(load(path), score) for path, score in ckpt.best_k_models.items()]
+    for saved, score in files:
+        torch.testing.assert_close(score_of(saved["state_dict"]), score.float(), rtol=0, atol=0)
+    # unmarked: the files of the batches without a step (the even ones); the stepping batches' files hold their copies
+    assert sum("pre_optimizer_step" not in saved for saved, _ in files) == sum(b % 2 == 0 for _, b in saved_after)
+    assert any("pre_optimizer_step" in saved for saved, _ in files)

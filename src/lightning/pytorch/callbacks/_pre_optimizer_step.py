@@ -53,13 +53,12 @@ class _PreOptimizerStepState:
         self._step_value: Optional[Tensor] = None  # the monitored value at the batch's first optimizer step
         self._deferred_value: Optional[Tensor] = None  # the value at the end of a batch whose save waits for validation
         self._deferred_reason: Optional[str] = None  # and why its file cannot hold the pre-step state, if it cannot
-        self._armed = self._stepped = self._outside = self._deferred = False
+        self._armed = self._stepped = self._outside = False
 
     @classmethod
     def for_fit(cls, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> Optional["_PreOptimizerStepState"]:
         """The state holder of ``checkpoint`` for this fit, or ``None`` with a warning if it cannot work here."""
-        reason = _unsupported_reason(trainer, with_states=not checkpoint.save_weights_only)
-        if reason is None:
+        if (reason := _unsupported_reason(trainer, with_states=not checkpoint.save_weights_only)) is None:
             return cls(trainer, checkpoint)
         rank_zero_warn(f"`save_pre_optimizer_step_state=True` saves the live state, as if it were off: {reason}")
         return None
@@ -67,9 +66,7 @@ class _PreOptimizerStepState:
     def on_train_batch_start(self, trainer: "pl.Trainer") -> None:
         self._free()
         self._in_batch = self._started = True
-        self._start_step = trainer.global_step
-        if self._checkpoint._train_time_interval is not None:
-            self._start_time = time.monotonic()
+        self._start_step, self._start_time = trainer.global_step, time.monotonic()
         self._armed = self._can_save(self._steps_per_batch)
         if self._armed:  # `callback_metrics` builds a dict of every logged value: only where a save can follow
             self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad]
@@ -82,8 +79,7 @@ class _PreOptimizerStepState:
             # whether the batch ends after the interval, if it takes 1.5 times as long as the one before
             elapsed = self._start_time - (checkpoint._last_time_checked or 0.0) + 1.5 * self._batch_seconds
             return elapsed >= checkpoint._train_time_interval.total_seconds()
-        every_n, step = checkpoint._every_n_train_steps, self._start_step
-        return not steps - {0} or any((step + k) % every_n == 0 for k in steps)
+        return not steps - {0} or any((self._start_step + k) % checkpoint._every_n_train_steps == 0 for k in steps)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer") -> None:
         if not self._started:  # a step outside a batch (in `on_train_epoch_end`) comes after its saves, and is fine
@@ -104,22 +100,17 @@ class _PreOptimizerStepState:
         self._outside = any(p._version != version for p, version in self._versions)
         if self._outside:  # an in-place update Lightning did not see: the state the batch started with is gone
             return
-        trained = {p for p, _ in self._versions}  # and those that `toggle_optimizer` froze since the batch started
+        trained = {p for p, _ in self._versions}  # with those that `toggle_optimizer` froze since the batch started
         clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
-        params = {}
-        with torch.no_grad():
-            for name, p in self._named_params:
-                if p.requires_grad or p in trained:
-                    if p not in clones:
-                        clones[p] = p.detach().clone()
-                    params[name] = (p, clones[p])
-        states = {}
-        if not self._checkpoint.save_weights_only:
-            states = {
-                "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
-                "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            }
-            states = apply_to_collection(states, Tensor, lambda tensor: tensor.detach().clone())
+        for _, p in self._named_params:
+            if (p.requires_grad or p in trained) and p not in clones:
+                clones[p] = p.detach().clone()
+        states: dict[str, Any] = {}
+        if not self._checkpoint.save_weights_only:  # state dicts that hold the live tensors, copied below
+            states["optimizer_states"] = [optimizer.state_dict() for optimizer in trainer.optimizers]
+            states["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        states = apply_to_collection(states, Tensor, torch.clone)
+        params = {name: (p, clones[p]) for name, p in self._named_params if p in clones}
         self.copy = {"global_step": trainer.global_step, "params": params, "states": states}
 
     def _logged_in_batch(self, value: Optional[Tensor]) -> bool:
@@ -134,8 +125,7 @@ class _PreOptimizerStepState:
         return bool(monitor_op(value, checkpoint.best_k_models[checkpoint.kth_best_model_path]))
 
     def defer_to_validation(self, trainer: "pl.Trainer") -> None:
-        """Notes the value of the batch-end save that ``ModelCheckpoint`` defers to the end of validation, and why its
-        file cannot hold the state from before the batch's first step, if it cannot."""
+        """Keeps the copy for the batch-end save that ``ModelCheckpoint`` defers to the end of validation."""
         self._deferred_value = trainer.callback_metrics.get(self._checkpoint.monitor)  # type: ignore[arg-type]
         self._deferred_reason = self._why_live(trainer, self._deferred_value)
 
@@ -144,13 +134,9 @@ class _PreOptimizerStepState:
         steps = trainer.global_step - self._start_step
         if self._stepped or steps == 0:
             self._steps_per_batch.add(steps)
-        if self._checkpoint._train_time_interval is not None:
-            self._batch_seconds = time.monotonic() - self._start_time
-        self._in_batch = False
-        copied, value, reason = self.copy, self._deferred_value, self._deferred_reason
-        self._free()
-        if value is not None:
-            self.copy, self._deferred, self._deferred_value, self._deferred_reason = copied, True, value, reason
+        self._batch_seconds, self._in_batch = time.monotonic() - self._start_time, False
+        if self._deferred_value is None:
+            self._free()
 
     def on_validation_end(self) -> None:
         """Drops what a save deferred to the end of validation held."""
@@ -159,18 +145,15 @@ class _PreOptimizerStepState:
     def _why_live(self, trainer: "pl.Trainer", value: Optional[Tensor]) -> Optional[str]:
         """Why a save with ``value`` cannot hold the state from before the batch's first step, or ``None``."""
         monitor, steps = self._checkpoint.monitor, trainer.global_step - self._start_step
-        if value is None and monitor in ("epoch", "step"):
-            return None  # the trainer's count ranks the live state
+        if (value is None and monitor in ("epoch", "step")) or not (self._armed or self._stepped or steps):
+            return None  # the trainer's count ranks the live state; or the batch did not step, so it computed the value
         if not self._armed:
             if self._checkpoint._train_time_interval is not None:
                 return "the save came sooner than the batch times before predicted, so nothing was copied"
             known = sorted(self._steps_per_batch)
             return f"the batch took {steps} optimizer step(s) where those before took {known}, so nothing was copied"
         if not self._logged_in_batch(value):
-            return (
-                f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, or a value from"
-                " an earlier batch)"
-            )
+            return f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, an old value)"
         if self._stepped and (self._step_value is None or not _same(value, self._step_value)):  # type: ignore[arg-type]
             return (
                 f"{monitor!r} was logged after the batch's first optimizer step, so the state before it may not have"
@@ -187,17 +170,16 @@ class _PreOptimizerStepState:
 
     def save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
         """Writes a top-k file: at the end of a batch with the copy, or with the live state and a warning."""
-        checkpoint, copied = self._checkpoint, self.copy
+        checkpoint = self._checkpoint
         value = trainer.callback_metrics.get(checkpoint.monitor)  # type: ignore[arg-type]
         # a save outside a batch, or one deferred to validation that validation's value ranks, is as without the option
-        deferred = self._deferred and value is not None and _same(value, self._deferred_value)  # type: ignore[arg-type]
+        deferred = self._deferred_value is not None and value is not None and _same(value, self._deferred_value)
         in_batch = self._in_batch or deferred
-        reason = None if not in_batch else self._deferred_reason if self._deferred else self._why_live(trainer, value)
-        if in_batch and reason is None and copied is not None:
+        reason = None if not in_batch else self._deferred_reason if deferred else self._why_live(trainer, value)
+        if in_batch and reason is None and self.copy is not None:
             with trainer.profiler.profile("save_checkpoint"):  # as `Trainer.save_checkpoint`, with the copy in place
                 dumped = trainer._checkpoint_connector.dump_checkpoint(checkpoint.save_weights_only)
-                reason = _write(copied, dumped, trainer.lightning_module)
-                if reason is not None:
+                if (reason := _write(self.copy, dumped, trainer.lightning_module)) is not None:
                     self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
                 trainer.strategy.save_checkpoint(dumped, filepath)
                 trainer.strategy.barrier("Trainer.save_checkpoint")
@@ -216,10 +198,8 @@ def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.Light
     named = module.named_parameters(remove_duplicate=False)
     if any(p.requires_grad and params.get(name, (None,))[0] is not p for name, p in named):
         return "the module's parameters changed during the fit"
-    if any(name not in state_dict for name in params):
-        return "the module's state dict does not name its parameters as `named_parameters()` does"
-    if any(state_dict[name].data_ptr() != p.data_ptr() for name, (p, _) in params.items()):
-        return "the checkpoint's weights are not the module's parameters (an `on_save_checkpoint` hook replaced them)"
+    if any(name not in state_dict or state_dict[name].data_ptr() != p.data_ptr() for name, (p, _) in params.items()):
+        return "the checkpoint's weights are not the module's parameters (a `state_dict` or `on_save_checkpoint` hook)"
     states = copied["states"] if "optimizer_states" in checkpoint else {}
     if states and len(states["optimizer_states"]) != len(checkpoint["optimizer_states"]):
         return "the number of optimizers changed"
@@ -238,13 +218,10 @@ def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[st
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
     from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
+    cls = type(trainer.strategy)
     if type(trainer).save_checkpoint is not pl.Trainer.save_checkpoint:
         return "`Trainer.save_checkpoint` is overridden, and the file is written without it."
-    cls = type(trainer.strategy)
-    if (
-        issubclass(cls, DeepSpeedStrategy)
-        or cls.lightning_module_state_dict is not Strategy.lightning_module_state_dict
-    ):
+    if issubclass(cls, DeepSpeedStrategy) or cls.lightning_module_state_dict != Strategy.lightning_module_state_dict:
         return f"`{cls.__name__}` builds the checkpoint's weights itself (from shards)."
     if any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers):
         return "`LBFGS` runs the closure several times in one step, so the score is from inside the step."
