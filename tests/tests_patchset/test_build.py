@@ -1,4 +1,7 @@
-"""Build, install and import the fork for real: the in-tree backend, a fresh venv, an sdist, git+file, editable."""
+"""Build, install and import the fork for real: the in-tree backend, a fresh venv, an sdist, git+file, editable.
+
+The builds and installs are slow; the error paths, which fail before or early in a build, run in the quick mode too.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,8 @@ from pathlib import Path
 import pytest
 from patchset_helpers import DEMO, FORK, copy_project, git, make_venv, pip, run_python, site_packages, write
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch, upstream_sdist: Path):
     from patchset import backend
 
@@ -45,6 +47,7 @@ def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, 
     assert len(list((tmp_path / "cache" / "trees").iterdir())) == 1  # made once, reused by the second hook
 
 
+@pytest.mark.slow
 def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
     python = make_venv(tmp_path / "venv")
     proc = pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))
@@ -60,6 +63,7 @@ def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
     assert Path(location).is_relative_to(site)
 
 
+@pytest.mark.slow
 def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tmp_path: Path, monkeypatch):
     from patchset import backend
 
@@ -95,6 +99,7 @@ def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tm
     assert [p.name for p in (tmp_path / "whl").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
 
 
+@pytest.mark.slow
 def test_pip_install_from_git(demo_project: Path, pip_in_venv: Path):
     """`pip install "lightning @ git+<url>"` from a fresh venv, with the pip it bundles and with the newest."""
     git(demo_project, "init", "-q")
@@ -107,6 +112,7 @@ def test_pip_install_from_git(demo_project: Path, pip_in_venv: Path):
     assert run_python(pip_in_venv, "import lightning; print(lightning.__version__)") == FORK
 
 
+@pytest.mark.slow
 def test_editable_install_picks_up_an_edit(demo_project: Path, tmp_path: Path):
     python = make_venv(tmp_path / "venv")
     proc = pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(demo_project))
@@ -151,6 +157,7 @@ def test_cli_install_refuses_a_bad_pin_before_building(tmp_path: Path, run_cli):
     assert not (tmp_path / "dist").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolation", [False, True], ids=["no-build-isolation", "build-isolation"])
 def test_cold_cache_inside_pips_build_hook(
     demo_project: Path, tmp_path: Path, upstream_sdist: Path, pip_in_venv: Path, isolation: bool
@@ -176,6 +183,7 @@ def test_cold_cache_inside_pips_build_hook(
     assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))
 
 
+@pytest.mark.slow
 def test_sdist_leaves_out_junk_but_keeps_every_project_file(demo_project: Path, tmp_path: Path, monkeypatch):
     from patchset import backend
 
@@ -203,6 +211,7 @@ def test_editable_flavour_is_refused_in_one_line(demo_project: Path, tmp_path: P
     )
 
 
+@pytest.mark.slow
 def test_cli_build_then_install_into_another_environment(demo_project: Path, tmp_path: Path, run_cli):
     python = make_venv(tmp_path / "venv")
     proc = run_cli(demo_project, "install", "--dist", str(tmp_path / "dist"), "--python", str(python))
@@ -223,6 +232,7 @@ def test_cli_build_reports_a_broken_patch_in_one_line(demo_project: Path, tmp_pa
     assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flavour", "distribution", "top_levels"),
     [
