@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from tests_pytorch.helpers.runif import RunIf
+
 _SCRIPT = """
 import atexit, json, multiprocessing, os, sys
 from lightning.pytorch import Callback, Trainer
@@ -47,7 +49,7 @@ if __name__ == "__main__":
             callbacks=[ExitWithoutGlooTeardown()],
         )
         trainer.fit(BoringModel())
-        reservation = trainer.strategy.cluster_environment._port_reservation
+        reservation = trainer.strategy.cluster_environment._reserved_port
         held = reservation is not None and reservation.held
         records.append({"picked": picked, "held_after": held, "master_port_after": os.environ.get("MASTER_PORT")})
     print(json.dumps(records))
@@ -55,7 +57,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ports are kept bound on Linux only")
+@RunIf(linux_only=True)
 def test_every_ddp_spawn_fit_holds_a_port_of_its_own(tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(_SCRIPT)

@@ -13,7 +13,7 @@
 # limitations under the License.
 """Fabric runs on the port Lightning picked: two CPU processes (gloo) in a script, several runs per script.
 
-How long each launcher holds the port, whether ``MASTER_PORT`` outlives the run, and which values of it work.
+How long each launcher holds the port, and whether ``MASTER_PORT`` outlives the run.
 
 """
 
@@ -26,6 +26,7 @@ import sys
 import pytest
 
 from tests_fabric.helpers import ports
+from tests_fabric.helpers.runif import RunIf
 
 _SCRIPT = """
 import atexit, json, os, sys
@@ -81,10 +82,7 @@ def _run(tmp_path, strategy, devices, runs, **env):
     return [json.loads((tmp_path / f"run{i}.json").read_text()) for i in range(runs)], result
 
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ports are kept bound on Linux only")
-
-
-@linux_only
+@RunIf(linux_only=True)
 @pytest.mark.timeout(400)
 def test_spawn_releases_the_port_and_master_port_when_the_processes_end(tmp_path):
     """``ddp_spawn``: each run picks and holds its own port, and leaves neither the hold nor ``MASTER_PORT`` behind."""
@@ -96,7 +94,7 @@ def test_spawn_releases_the_port_and_master_port_when_the_processes_end(tmp_path
         assert record["master_port_after"] is None
 
 
-@linux_only
+@RunIf(linux_only=True)
 @pytest.mark.timeout(400)
 def test_spawn_keeps_a_users_master_port(tmp_path):
     port = ports.free_port()
@@ -104,7 +102,7 @@ def test_spawn_keeps_a_users_master_port(tmp_path):
     assert [(r["sum"], r["port"], r["master_port_after"]) for r in records] == [(3.0, port, str(port))] * 2
 
 
-@linux_only
+@RunIf(linux_only=True)
 @pytest.mark.timeout(400)
 def test_ddp_releases_the_hold_once_the_store_is_up_and_keeps_the_port_for_later_runs(tmp_path):
     """``ddp``: the launching process is rank 0; its store holds the port from then on, not Lightning.
@@ -120,14 +118,3 @@ def test_ddp_releases_the_hold_once_the_store_is_up_and_keeps_the_port_for_later
     assert not records[1]["picked"]  # read back from MASTER_PORT
     assert not records[1]["held_after"]  # and not held again
     assert records[1]["port"] == records[0]["port"] == int(records[1]["master_port_after"])
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("value", ["0", "+{port}", " {port}\n"])
-def test_master_port_values_stock_accepted_keep_working(tmp_path, value):
-    """``MASTER_PORT=0`` lets a single process's store bind any port: it works, with one warning."""
-    value = value.format(port=ports.free_port())
-    records, result = _run(tmp_path, "ddp", 1, 1, MASTER_PORT=value)
-    assert records[0]["sum"] == 1.0
-    assert records[0]["port"] == int(value)
-    assert result.stderr.count("MASTER_PORT=0: the rendezvous store binds") == (value == "0")

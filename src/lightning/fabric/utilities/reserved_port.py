@@ -11,22 +11,22 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Keep the port Lightning picked for the rendezvous store from being given to anyone else before the store binds it.
+"""The port :class:`~lightning.fabric.plugins.environments.LightningEnvironment` picks, reserved for the store.
 
 Picking a port by binding port 0 and closing the socket leaves a gap, often seconds long while the launcher starts the
 other ranks, until rank 0's ``TCPStore`` binds it. Any process of the machine can be given the port in that gap.
 
-On Linux a :class:`PortReservation` keeps its socket bound, without listening, through that gap. The kernel then gives
+On Linux a :class:`_ReservedPort` keeps its socket bound, without listening, through that gap. The kernel then gives
 the port to no other socket of the network namespace, in any process: ``bind(0)`` skips it, and so do outgoing
 connections. The socket has ``SO_REUSEADDR`` set, like both ``TCPStore`` backends, and Linux lets a socket with it
 bind and listen on a port that non-listening sockets with it hold. Elsewhere (macOS and Windows need other socket
 options for that, and they would let other programs share the port too) the socket is closed at once: the port is
 picked exactly as before.
 
-The hold ends as soon as it is no longer needed: when the store is up in the holding process
-(:func:`release_port`, called once the process group is initialized), when the processes started for the port have
-exited (:func:`launching_on_port`), at the environment's ``teardown()``, or when the reservation is garbage collected.
-A forked child never holds its parent's port.
+The environment that picked the port owns the reservation. It ends when the process group has been initialized
+(:func:`_release_reserved_port`), when the processes a spawn launcher started for the port have exited
+(:func:`_launching_on_port`), at the environment's ``teardown()``, or when the reservation is garbage collected. A
+forked child never holds its parent's port.
 
 """
 
@@ -36,44 +36,26 @@ import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from lightning.fabric.utilities.rank_zero import WarningCache
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
 _warning_cache = WarningCache()
 
 
-def parse_port(value: str, name: str) -> int:
-    """Read a port number from the environment variable ``name`` the way Lightning always has, with ``int()``.
-
-    ``0`` makes the store bind a free port of its own choosing, which other processes cannot know: it works for a
-    single process only, and warns once.
-
-    Raises:
-        ValueError: If ``value`` is not an integer from 0 to 65535.
-
-    """
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{name}={value!r} is not a port number: expected an integer from 0 to 65535.")
-    if port == 0:
-        _warning_cache.warn(
-            f"{name}=0: the rendezvous store binds a free port of its own choosing, which other processes cannot"
-            f" know. This works for a single process only; set {name} to a port number, or unset it for Lightning"
-            " to pick one."
-        )
-    return port
-
-
-class PortReservation:
+class _ReservedPort:
     """A free TCP port, chosen by the operating system and kept bound by this process until :meth:`release`.
 
     Copies in other processes (pickled to spawned processes, inherited by forked ones) hold nothing.
 
     """
+
+    # the reservations this process holds, for forked children to close their copies of the sockets
+    _held: ClassVar["weakref.WeakSet[_ReservedPort]"] = weakref.WeakSet()
+    _closing_in_forked_children: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._socket: Optional[socket.socket] = None
@@ -84,7 +66,7 @@ class PortReservation:
             self.port: int = sock.getsockname()[1]
             if sys.platform.startswith("linux") and _store_can_bind_next_to(sock, self.port):
                 self._socket = sock
-                _held.add(self)
+                self._hold()
         finally:
             if self._socket is None:
                 sock.close()
@@ -97,9 +79,23 @@ class PortReservation:
     def release(self) -> None:
         """Close the socket; the port can be given to others again."""
         sock, self._socket = self._socket, None
-        _held.discard(self)
+        type(self)._held.discard(self)
         if sock is not None:
             sock.close()
+
+    def _hold(self) -> None:
+        cls = type(self)
+        cls._held.add(self)
+        if not cls._closing_in_forked_children and hasattr(os, "register_at_fork"):  # not on Windows
+            # registered with the first port held, not at import: a handler cannot be unregistered
+            os.register_at_fork(after_in_child=cls._release_all)
+            cls._closing_in_forked_children = True
+
+    @classmethod
+    def _release_all(cls) -> None:
+        # in a forked child: closes its copies of the file descriptors only, the parent keeps holding its ports
+        for reservation in list(cls._held):
+            reservation.release()
 
     def __del__(self) -> None:
         if self._socket is not None:  # the weak set forgets it by itself
@@ -109,20 +105,15 @@ class PortReservation:
         return {"port": self.port, "_socket": None}
 
 
-# The reservations this process holds, by weak reference (each is owned by the cluster environment that picked the
-# port): the port is released by number once its store is up, and forked children close their copies of the sockets.
-_held: "weakref.WeakSet[PortReservation]" = weakref.WeakSet()
-
-
-def release_port(port: int) -> None:
-    """Stop holding ``port`` if this process holds it: its store is bound, or the processes that used it are gone."""
-    for reservation in list(_held):
-        if reservation.port == port:
-            reservation.release()
+def _release_reserved_port(environment: "ClusterEnvironment") -> None:
+    """Stop holding the port that ``environment`` reserved in this process, if it did: its store is bound."""
+    reserved = getattr(environment, "_reserved_port", None)
+    if isinstance(reserved, _ReservedPort):
+        reserved.release()
 
 
 @contextmanager
-def launching_on_port(port: int) -> Iterator[None]:
+def _launching_on_port(environment: "ClusterEnvironment") -> Iterator[None]:
     """Set ``MASTER_PORT`` for the processes a launcher starts in the block, and undo it when the block ends.
 
     When the block ends (the processes have exited), this process stops holding the port and ``MASTER_PORT`` is put
@@ -130,25 +121,15 @@ def launching_on_port(port: int) -> Iterator[None]:
 
     """
     previous = os.environ.get("MASTER_PORT")
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["MASTER_PORT"] = str(environment.main_port)
     try:
         yield
     finally:
-        release_port(port)
+        _release_reserved_port(environment)
         if previous is None:
             os.environ.pop("MASTER_PORT", None)
         else:
             os.environ["MASTER_PORT"] = previous
-
-
-def _close_in_forked_child() -> None:
-    # closes the child's copies of the file descriptors only: the parent keeps holding its ports
-    for reservation in list(_held):
-        reservation.release()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _store_can_bind_next_to(sock: socket.socket, port: int) -> bool:

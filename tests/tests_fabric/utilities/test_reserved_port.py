@@ -14,7 +14,7 @@
 """The port Lightning picks for the rendezvous store: kept bound until the store binds it, on Linux.
 
 Every test uses real sockets, real ``TCPStore`` servers and, where processes matter, real processes. Runs of Fabric and
-the launchers are in ``test_port_manager_runs.py``.
+the launchers are in ``test_reserved_port_runs.py``.
 
 """
 
@@ -29,24 +29,21 @@ import sys
 import textwrap
 import warnings
 from datetime import timedelta
-from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch.distributed
 from packaging.version import Version
 from torch.distributed import TCPStore
 
-from lightning.fabric.plugins.environments import LightningEnvironment, MPIEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning.fabric.utilities import port_manager
-from lightning.fabric.utilities.port_manager import PortReservation
+from lightning.fabric.utilities import reserved_port
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.reserved_port import _launching_on_port, _ReservedPort
 from tests_fabric.helpers.ports import bound_only_ports, held_here, plain_bind_succeeds
+from tests_fabric.helpers.runif import RunIf
 
 _TORCH_GREATER_EQUAL_2_4 = Version(torch.__version__).release >= (2, 4)
-_LINUX = sys.platform.startswith("linux")
-linux_only = pytest.mark.skipif(not _LINUX, reason="ports are kept bound on Linux only")
-_DOCS = Path(__file__).parents[3] / "docs" / "source-fabric" / "advanced" / "ports.rst"
 
 
 def _stores_bind(port: int) -> None:
@@ -68,7 +65,7 @@ def env(monkeypatch):
     env.teardown()
 
 
-@linux_only
+@RunIf(linux_only=True)
 def test_picked_port_is_held_until_the_store_binds_it(env):
     port = env.main_port
     assert env.main_port == port
@@ -82,22 +79,34 @@ def test_picked_port_is_held_until_the_store_binds_it(env):
     assert plain_bind_succeeds(port)
 
 
-@linux_only
+@RunIf(linux_only=True)
 def test_the_process_group_releases_the_port_once_its_store_is_up(env):
     """``_init_dist_connection`` releases the hold after the store binds: Fabric never calls ``teardown``."""
-    from lightning.fabric.utilities.distributed import _init_dist_connection
-
+    other = LightningEnvironment()
+    other_port = other.main_port  # another environment's port: released by its owner only
     port = env.main_port
     _init_dist_connection(env, "gloo", global_rank=0, world_size=1)
     try:
         assert not held_here(port)
         assert env.main_port == port  # the process group lives on it: later reads give the same port
+        assert held_here(other_port)
     finally:
         torch.distributed.destroy_process_group()
+        other.teardown()
     assert plain_bind_succeeds(port)
 
 
-@linux_only
+@RunIf(linux_only=True)
+def test_a_process_group_that_fails_to_start_releases_the_port(env):
+    """A user who catches the error and goes on does not keep the port held while the environment lives."""
+    port = env.main_port
+    with pytest.raises(Exception, match="not-a-backend"):
+        _init_dist_connection(env, "not-a-backend", global_rank=0, world_size=1)
+    assert not held_here(port)
+    assert plain_bind_succeeds(port)
+
+
+@RunIf(linux_only=True)
 def test_held_port_is_not_given_to_other_processes(env):
     script = "from lightning.fabric.plugins.environments.lightning import find_free_network_port as f\n"
     script += "print(sorted({f() for _ in range(500)}))"
@@ -125,7 +134,7 @@ os.waitpid(pid, 0)
 """
 
 
-@linux_only
+@RunIf(linux_only=True)
 def test_forked_children_do_not_keep_the_held_port():
     helpers = "".join(inspect.getsource(f) + "\n" for f in (held_here, plain_bind_succeeds))
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "STANDALONE_PORT")}
@@ -145,43 +154,14 @@ def test_user_port_is_used_as_given(monkeypatch):
         monkeypatch.setenv("MASTER_PORT", f" {busy}\n")
         env = LightningEnvironment()
         assert env.main_port == busy
-        assert env._port_reservation is None
+        assert env._reserved_port is None
         monkeypatch.delenv("MASTER_PORT")
         monkeypatch.setenv("STANDALONE_PORT", str(busy))
         assert LightningEnvironment().main_port == busy
         assert find_free_network_port() == busy
 
 
-@pytest.mark.parametrize(("value", "expected"), [("+29533", 29533), ("29_533", 29533), ("\uff12\uff19\uff15", 295)])
-@pytest.mark.parametrize("name", ["MASTER_PORT", "STANDALONE_PORT"])
-def test_port_variables_accept_what_int_accepts(monkeypatch, name, value, expected):
-    """As in stock Lightning (``int()``): the launchers write the number back as plain digits."""
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    monkeypatch.setenv(name, value)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert LightningEnvironment().main_port == expected
-
-
-@pytest.mark.parametrize("value", ["abc", "", "29500.0", "65536", "-1", "0x7530"])
-@pytest.mark.parametrize("name", ["MASTER_PORT", "STANDALONE_PORT"])
-def test_port_variables_that_cannot_work_raise_one_error_naming_the_variable(monkeypatch, name, value):
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=rf"^{name}={value!r} is not a port number: expected an integer from 0 to"):
-        _ = LightningEnvironment().main_port
-
-
-def test_port_zero_warns_once(monkeypatch):
-    """The store binds a port of its own choosing: right for one process, so it works, with one warning."""
-    monkeypatch.setenv("MASTER_PORT", "0")
-    port_manager._warning_cache.clear()
-    with pytest.warns(UserWarning, match="MASTER_PORT=0: .* single process only") as record:
-        assert [LightningEnvironment().main_port for _ in range(3)] == [0, 0, 0]
-    assert len(record) == 1
-
-
-@linux_only
+@RunIf(linux_only=True)
 def test_ports_come_from_the_ephemeral_range_only(env):
     """The OS picks the port, as ``bind(0)`` does: never 29500/29400, SLURM's range or reserved ports below it."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -204,7 +184,7 @@ _IN_NAMESPACE = textwrap.dedent(
 )
 
 
-@linux_only
+@RunIf(linux_only=True)
 @pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("ip")), reason="needs unshare and ip")
 def test_reserved_ports_and_a_narrow_range_are_respected():
     """In a private network namespace whose ephemeral range is 10 ports, 8 of them reserved: only 2 are used."""
@@ -221,12 +201,12 @@ def test_reserved_ports_and_a_narrow_range_are_respected():
     assert json.loads(result.stdout.splitlines()[-1]) == [40008, 40009]
 
 
-@linux_only
+@RunIf(linux_only=True)
 def test_copies_in_other_processes_hold_nothing(env):
     port = env.main_port
     copy = pickle.loads(pickle.dumps(env))
     assert copy.main_port == port
-    assert not copy._port_reservation.held
+    assert not copy._reserved_port.held
     copy.teardown()
     assert held_here(port)  # the original still holds it
 
@@ -237,16 +217,16 @@ def test_falls_back_to_the_old_behaviour_with_one_warning(monkeypatch, env):
     def refuse(port):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(port_manager, "_bind_like_tcp_store", refuse)
+    monkeypatch.setattr(reserved_port, "_bind_like_tcp_store", refuse)
     monkeypatch.setattr(sys, "platform", "linux")
-    port_manager._warning_cache.clear()
+    reserved_port._warning_cache.clear()
     with pytest.warns(UserWarning, match="could not keep the port it picked reserved") as record:
-        ports = [PortReservation().port for _ in range(3)]
+        ports = [_ReservedPort().port for _ in range(3)]
     assert len(record) == 1
     assert all(plain_bind_succeeds(port) for port in ports)
 
 
-@linux_only
+@RunIf(linux_only=True)
 def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
     monkeypatch.setattr(socket, "has_dualstack_ipv6", lambda: False)  # the store binds IPv4 there
     with warnings.catch_warnings():
@@ -259,47 +239,14 @@ def test_other_platforms_pick_as_before(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        reservation = PortReservation()
+        reservation = _ReservedPort()
     assert not reservation.held
     assert plain_bind_succeeds(reservation.port)
 
 
-def _mpi_environment(rank, monkeypatch):
-    import lightning.fabric.plugins.environments.mpi as mpi
-
-    monkeypatch.setattr(mpi, "_MPI4PY_AVAILABLE", True)
-    with mock.patch.dict("sys.modules", {"mpi4py": mock.MagicMock()}):
-        env = MPIEnvironment()
-    env._comm_world.Get_rank.return_value = rank
-    env._comm_world.bcast.side_effect = lambda value, root: value if rank == 0 else 12345
-    return env
-
-
-@linux_only
-def test_mpi_rank_zero_holds_the_port_until_teardown(monkeypatch):
-    monkeypatch.delenv("STANDALONE_PORT", raising=False)
-    env = _mpi_environment(0, monkeypatch)
-    port = env.main_port
-    env._comm_world.bcast.assert_called_once()
-    assert held_here(port)
-    _stores_bind(port)
-    env.teardown()
-    assert not held_here(port)
-    other = _mpi_environment(1, monkeypatch)
-    assert other.main_port == 12345
-    assert other._comm_world.bcast.call_args.args[0] is None  # only rank 0 picks
-
-
-def test_mpi_rank_zero_uses_standalone_port_as_given(monkeypatch):
-    monkeypatch.setenv("STANDALONE_PORT", "12321")
-    env = _mpi_environment(0, monkeypatch)
-    assert env.main_port == 12321
-    assert env._port_reservation is None
-
-
-@linux_only
-def test_the_docs_say_how_to_see_a_held_port(env):
-    """It is bound, not listening: the usual tools do not list it. What the docs offer instead must work."""
+@RunIf(linux_only=True)
+def test_a_held_port_is_seen_by_a_plain_bind_and_ss_bound_inactive_only(env):
+    """It is bound, not listening: the usual tools do not list it; a plain bind and ``ss -tanB`` see it."""
     port = env.main_port
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # what lsof -iTCP and netstat read
         with open(table) as f:
@@ -307,9 +254,6 @@ def test_the_docs_say_how_to_see_a_held_port(env):
     if shutil.which("ss"):
         assert f":{port} " not in subprocess.run(["ss", "-tan"], capture_output=True, text=True).stdout
     assert not plain_bind_succeeds(port)
-    docs = _DOCS.read_text()
-    assert "``ss -tanpB`` (``--bound-inactive``)" in docs
-    assert "a plain bind of the port fails with ``EADDRINUSE`` while it is held" in docs
     with socket.socket() as bound_only:  # does this kernel report bound-only sockets to `ss --bound-inactive`?
         bound_only.bind(("127.0.0.1", 0))
         if bound_only.getsockname()[1] not in bound_only_ports():
@@ -317,9 +261,48 @@ def test_the_docs_say_how_to_see_a_held_port(env):
     assert port in bound_only_ports()
 
 
-def test_find_free_network_port_holds_nothing_and_the_docs_say_who_is_exposed():
+def test_find_free_network_port_holds_nothing():
     """Holding it would make callers that bind the number without ``SO_REUSEADDR`` fail: it stays as it was."""
     assert plain_bind_succeeds(find_free_network_port())
-    docs = " ".join(_DOCS.read_text().split())
-    assert "such as Lightning's own ``single_process_pg`` test fixture" in docs
-    assert "a held socket makes every later bind of that port without ``SO_REUSEADDR`` fail" in docs
+
+
+_LAZY_AT_FORK = """
+import os
+calls = []
+register = os.register_at_fork
+def counting(**kwargs):  # torch and others register handlers of their own: count Lightning's
+    calls.extend(f for f in kwargs.values() if f.__qualname__.startswith("_ReservedPort."))
+    register(**kwargs)
+os.register_at_fork = counting
+import lightning.fabric, lightning.fabric.utilities.distributed
+from lightning.fabric.plugins.environments import LightningEnvironment
+imported = len(calls)
+envs = [LightningEnvironment() for _ in range(3)]
+ports = [e.main_port for e in envs]
+print(imported, len(calls))
+"""
+
+
+@RunIf(linux_only=True)
+def test_the_at_fork_handler_is_registered_with_the_first_held_port_not_at_import():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "STANDALONE_PORT")}
+    result = subprocess.run([sys.executable, "-c", _LAZY_AT_FORK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1"]
+
+
+@RunIf(linux_only=True)
+def test_the_spawn_launchers_context_releases_its_environments_port_and_puts_master_port_back(env, monkeypatch):
+    port = env.main_port  # picked and held: no MASTER_PORT was set
+    monkeypatch.setenv("MASTER_PORT", "1234")  # set afterwards, as by an earlier launch
+    with _launching_on_port(env):
+        assert os.environ["MASTER_PORT"] == str(port)
+        assert held_here(port)
+    assert not held_here(port)
+    assert os.environ["MASTER_PORT"] == "1234"
+    monkeypatch.delenv("MASTER_PORT")
+    fresh = LightningEnvironment()
+    with pytest.raises(RuntimeError, match="launch failed"), _launching_on_port(fresh):
+        raise RuntimeError("launch failed")
+    assert not held_here(fresh.main_port)
+    assert "MASTER_PORT" not in os.environ
