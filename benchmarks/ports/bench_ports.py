@@ -26,15 +26,15 @@ ephemeral listeners and make outgoing connections, as other programs on a CI mac
   (Linux; EADDRINUSE on the name means another process leased it: pick again), close the TCP socket, keep the name
   until the run ends. This coordinates the pickers but not the noise;
 * ``held`` (this patch): the fork's ``LightningEnvironment``, whose pick stays bound (``SO_REUSEADDR``, not
-  listening) until the store is bound, where ``release_port`` ends the hold as ``_init_dist_connection`` does;
+  listening) until the store is bound, where ``_release_reserved_port`` ends the hold as ``_init_dist_connection`` does;
 * ``sweep-stock`` and ``sweep-held``: several fits in one process, each worker's trials one after the other. Stock
   leaves the ``MASTER_PORT`` its launcher wrote, so every fit after the first reuses that port, unheld, after a gap;
-  the fork's spawn launchers set it through ``launching_on_port``, which puts it back when the fit ends, so every fit
+  the fork's spawn launchers set it through ``_launching_on_port``, which puts it back when the fit ends, so every fit
   picks and holds a port of its own (``sweep-held`` runs that code).
 
 The store is bound as ``TCPStore``'s server binds (both backends): a dual-stack socket where available,
 ``SO_REUSEADDR``, bind, listen. That bind fails with ``EADDRINUSE`` under exactly the conditions the store's does, so
-the trials use it instead of a full ``TCPStore`` (``tests/tests_fabric/utilities/test_port_manager.py`` checks that
+the trials use it instead of a full ``TCPStore`` (``tests/tests_fabric/utilities/test_reserved_port.py`` checks that
 real stores of both backends bind held ports). A trial fails when the bind fails ("EADDRINUSE"); "shared" counts
 pairs of trials of different processes that were handed the same port while both were alive.
 
@@ -136,7 +136,7 @@ def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None
     """The picked port, what to call once the store is bound, and what to call when the run has ended."""
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
-    from lightning.fabric.utilities.port_manager import launching_on_port, release_port
+    from lightning.fabric.utilities.reserved_port import _launching_on_port, _release_reserved_port
 
     nothing = lambda: None  # noqa: E731
     if picker == "stock":
@@ -155,10 +155,10 @@ def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None
         return port, nothing, nothing
     env = LightningEnvironment()
     if picker == "sweep-held":  # as the spawn launchers do: MASTER_PORT for the fit, put back when it ends
-        launch = launching_on_port(env.main_port)
+        launch = _launching_on_port(env)
         launch.__enter__()
         return env.main_port, nothing, lambda: (launch.__exit__(None, None, None), env)  # env: alive until then
-    return env.main_port, lambda: release_port(env.main_port), env.teardown
+    return env.main_port, lambda: _release_reserved_port(env), env.teardown
 
 
 def worker(picker: str, trials: int, window: float, seed: int, out) -> None:
@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--pickers", nargs="+", default=list(PICKERS), choices=PICKERS)
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    import lightning.fabric.utilities.port_manager  # noqa: F401  (imported once, before the workers fork)
+    import lightning.fabric.utilities.reserved_port  # noqa: F401  (imported once, before the workers fork)
 
     if args.inside:
         print(json.dumps(run_scenario(args)))
