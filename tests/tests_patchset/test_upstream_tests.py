@@ -174,6 +174,16 @@ def test_the_page_records_every_upstream_bound_patch_as_it_is_now():
     )
 
 
+def test_a_fabric_patch_with_entries_in_both_changelogs_runs_fabrics_jobs():
+    """0002 changes the Trainer's launchers too, so it has pytorch entries; its subject says whose jobs it runs."""
+    from patchset.upstream_tests import SELECTIONS, package_of
+
+    (patch,) = [p for p in read_series(REPO) if p.name.startswith("0002-")]
+    assert {entry.package for entry in patch.changelog} == {"fabric", "pytorch"}
+    assert package_of(patch) == "fabric"
+    assert SELECTIONS[package_of(patch)] == ["tests/tests_fabric"]
+
+
 def test_node_ids_keep_classes_and_a_crash_is_a_failure(tmp_path: Path):
     from patchset.upstream_tests import run_selection
 

@@ -92,8 +92,14 @@ def upstream_ancestor(onto: Path, commit: str, base: str) -> tuple[str, list[str
 
 
 def package_of(patch: Patch) -> str:
-    """``fabric`` or ``pytorch``: from the patch's CHANGELOG entries, else its subject's prefix."""
-    packages = {entry.package for entry in patch.changelog} or {patch.subject.split(":", 1)[0].strip()}
+    """``fabric`` or ``pytorch``: the subject's prefix, else the package of the patch's CHANGELOG entries.
+
+    A fabric change that the Trainer shares has entries in both changelogs; its subject says whose jobs it runs.
+    """
+    prefix = patch.subject.split(":", 1)[0].strip()
+    if prefix in SELECTIONS:
+        return prefix
+    packages = {entry.package for entry in patch.changelog}
     if len(packages) != 1 or not packages <= set(SELECTIONS):
         raise PatchsetError(f"{patch.name}: cannot tell whether it is a fabric or a pytorch patch ({packages})")
     return packages.pop()
