@@ -100,7 +100,7 @@ def test_the_process_group_releases_the_port_once_its_store_is_up(env):
 def test_a_process_group_that_fails_to_start_releases_the_port(env):
     """A user who catches the error and goes on does not keep the port held while the environment lives."""
     port = env.main_port
-    with pytest.raises(Exception, match="not-a-backend"):
+    with pytest.raises(Exception, match="(?i)not-a-backend"):  # torch 2.1 names it in upper case
         _init_dist_connection(env, "not-a-backend", global_rank=0, world_size=1)
     assert not held_here(port)
     assert plain_bind_succeeds(port)
