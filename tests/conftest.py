@@ -3,6 +3,7 @@
 # tests/tests_pytorch/conftest.py (patch 0005), and resets the environment and process group after each test there:
 # the fork's copies of those tests need the same.
 import contextlib
+import importlib
 import os
 import sys
 import types
@@ -17,13 +18,13 @@ def _provide_runif(package: str) -> None:
     if name in sys.modules:
         return
     try:
-        testing = __import__(f"lightning.{package}.utilities.testing", fromlist=["_runif_reasons"])
+        testing = importlib.import_module(f"lightning.{package}.utilities.testing")
     except ImportError:  # the tool's tests also run before the fork is installed
         return
 
-    def RunIf(**kwargs):  # noqa: N802 (upstream's name)
+    def RunIf(**kwargs):  # noqa: N802 (the name upstream's tests import)
         reasons, marker_kwargs = testing._runif_reasons(**kwargs)
-        return pytest.mark.skipif(len(reasons) > 0, reason=f"Requires: [{' + '.join(reasons)}]", **marker_kwargs)
+        return pytest.mark.skipif(bool(reasons), reason="needs " + ", ".join(reasons), **marker_kwargs)
 
     module = types.ModuleType(name)
     module.RunIf = RunIf
