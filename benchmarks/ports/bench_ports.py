@@ -26,7 +26,7 @@ ephemeral listeners and make outgoing connections, as other programs on a CI mac
   (Linux; EADDRINUSE on the name means another process leased it: pick again), close the TCP socket, keep the name
   until the run ends. This coordinates the pickers but not the noise;
 * ``held`` (this patch): the fork's ``LightningEnvironment``, whose pick stays bound (``SO_REUSEADDR``, not
-  listening) until the store is bound, where ``_release_reserved_port`` ends the hold as ``_init_dist_connection`` does;
+  listening) until the store is bound, where ``_release_port()`` ends the hold as ``_init_dist_connection`` does;
 * ``sweep-stock`` and ``sweep-held``: several fits in one process, each worker's trials one after the other. Stock
   leaves the ``MASTER_PORT`` its launcher wrote, so every fit after the first reuses that port, unheld, after a gap;
   the fork's spawn launchers set it through ``_launching_on_port``, which puts it back when the fit ends, so every fit
@@ -135,8 +135,7 @@ def _bind_store(port: int) -> socket.socket:
 def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None], Callable[[], None]]:
     """The picked port, what to call once the store is bound, and what to call when the run has ended."""
     from lightning.fabric.plugins.environments import LightningEnvironment
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-    from lightning.fabric.utilities.reserved_port import _launching_on_port, _release_reserved_port
+    from lightning.fabric.plugins.environments.lightning import _launching_on_port, find_free_network_port
 
     nothing = lambda: None  # noqa: E731
     if picker == "stock":
@@ -158,7 +157,7 @@ def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None
         launch = _launching_on_port(env)
         launch.__enter__()
         return env.main_port, nothing, lambda: (launch.__exit__(None, None, None), env)  # env: alive until then
-    return env.main_port, lambda: _release_reserved_port(env), env.teardown
+    return env.main_port, env._release_port, env.teardown
 
 
 def worker(picker: str, trials: int, window: float, seed: int, out) -> None:

@@ -52,23 +52,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def bound_only_ports() -> set[int]:
-    """The ports of the IPv4 TCP sockets that are bound but neither listen nor connect, as the kernel reports them to
-    ``ss --bound-inactive``: a sock_diag dump for the pseudo-state ``TCP_BOUND_INACTIVE`` (Linux, netlink)."""
-    import struct
-
-    bound_inactive, sock_diag_by_family, dump = 13, 20, 0x301  # NLM_F_REQUEST | NLM_F_DUMP
-    request = struct.pack("=BBBBI", socket.AF_INET, socket.IPPROTO_TCP, 0, 0, 1 << bound_inactive) + bytes(48)
-    ports = set()
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as diag:  # NETLINK_SOCK_DIAG
-        diag.send(struct.pack("=IHHII", 16 + len(request), sock_diag_by_family, dump, 1, 0) + request)
-        while True:
-            data, offset = diag.recv(1 << 16), 0
-            while offset < len(data):
-                length, kind = struct.unpack_from("=IH", data, offset)
-                if kind in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
-                    return ports
-                ports.add(struct.unpack_from("!H", data, offset + 20)[0])  # inet_diag_msg.id.idiag_sport
-                offset += (length + 3) & ~3

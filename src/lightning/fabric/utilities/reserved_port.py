@@ -23,10 +23,9 @@ bind and listen on a port that non-listening sockets with it hold. Elsewhere (ma
 options for that, and they would let other programs share the port too) the socket is closed at once: the port is
 picked exactly as before.
 
-The environment that picked the port owns the reservation. It ends when the process group has been initialized
-(:func:`_release_reserved_port`), when the processes a spawn launcher started for the port have exited
-(:func:`_launching_on_port`), at the environment's ``teardown()``, or when the reservation is garbage collected. A
-forked child never holds its parent's port.
+The environment that picked the port owns the reservation. It ends when the process group has been initialized, when
+the processes a spawn launcher started for the port have exited, at the environment's ``teardown()``, or when the
+reservation is garbage collected. A forked child never holds its parent's port.
 
 """
 
@@ -34,14 +33,9 @@ import os
 import socket
 import sys
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from lightning.fabric.utilities.rank_zero import WarningCache
-
-if TYPE_CHECKING:
-    from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
 _warning_cache = WarningCache()
 
@@ -103,33 +97,6 @@ class _ReservedPort:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"port": self.port, "_socket": None}
-
-
-def _release_reserved_port(environment: "ClusterEnvironment") -> None:
-    """Stop holding the port that ``environment`` reserved in this process, if it did: its store is bound."""
-    reserved = getattr(environment, "_reserved_port", None)
-    if isinstance(reserved, _ReservedPort):
-        reserved.release()
-
-
-@contextmanager
-def _launching_on_port(environment: "ClusterEnvironment") -> Iterator[None]:
-    """Set ``MASTER_PORT`` for the processes a launcher starts in the block, and undo it when the block ends.
-
-    When the block ends (the processes have exited), this process stops holding the port and ``MASTER_PORT`` is put
-    back as it was, so that the next launch picks and holds a port of its own instead of reusing this one unheld.
-
-    """
-    previous = os.environ.get("MASTER_PORT")
-    os.environ["MASTER_PORT"] = str(environment.main_port)
-    try:
-        yield
-    finally:
-        _release_reserved_port(environment)
-        if previous is None:
-            os.environ.pop("MASTER_PORT", None)
-        else:
-            os.environ["MASTER_PORT"] = previous
 
 
 def _store_can_bind_next_to(sock: socket.socket, port: int) -> bool:
