@@ -257,4 +257,3 @@ def test_the_spawn_launchers_context_leaves_a_port_it_did_not_hold_as_before(mon
     with _launching_on_port(env):
         assert os.environ["MASTER_PORT"] == "4321"
     assert os.environ["MASTER_PORT"] == "4321"
-

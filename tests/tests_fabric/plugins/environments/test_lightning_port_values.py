@@ -35,9 +35,7 @@ def _no_port_variables(monkeypatch):
     lightning_environment._warning_cache.clear()
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"), [("+29533", 29533), (" 29533\n", 29533), ("29_533", 29533), ("\uff12\uff19\uff15", 295)]
-)
+@pytest.mark.parametrize(("value", "expected"), [("+29533", 29533), (" 29533\n", 29533), ("29_533", 29533)])
 @pytest.mark.parametrize("name", ["MASTER_PORT", "STANDALONE_PORT"])
 def test_port_variables_accept_what_int_accepts(monkeypatch, name, value, expected):
     """As before (``int()``): the launchers write the number back as plain digits."""
