@@ -262,7 +262,7 @@ def main() -> None:
             f"     {side:5} {race['version']:17} {race['twice']} of {race['picks']} ports handed out twice while held"
             + (": whichever binds second fails with EADDRINUSE" if race["twice"] else "")
         )
-    # on macOS and Windows the fork picks as stock does (docs/source-fabric/advanced/ports.rst)
+    # on macOS and Windows the fork picks as stock does (docs/ports.md)
     assert race["twice"] == 0 or sys.platform != "linux", "the fork handed one port to two processes"
 
     print("\n0005 fabric: pytest on a test that loses its port on its first attempt (EADDRINUSE)")

@@ -18,7 +18,6 @@ the launchers are in ``test_reserved_port_runs.py``.
 
 """
 
-import inspect
 import json
 import os
 import pickle
@@ -34,7 +33,8 @@ from packaging.version import Version
 from torch.distributed import TCPStore
 
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.plugins.environments.lightning import _launching_on_port, find_free_network_port
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.fabric.strategies.launchers.multiprocessing import _launching_on_port
 from lightning.fabric.utilities import reserved_port
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.reserved_port import _ReservedPort
@@ -113,38 +113,6 @@ def test_held_port_is_not_given_to_other_processes(env):
     assert port not in json.loads(out)
 
 
-_FORK_CHILD = """
-import os, socket, time
-from lightning.fabric.plugins.environments import LightningEnvironment
-
-env = LightningEnvironment()
-port = env.main_port
-read, write = os.pipe()
-pid = os.fork()
-if pid == 0:  # a forked child, as a DataLoader worker is on Linux: it must not keep its parent's port
-    os.write(write, b"1" if held_here(port) else b"0")
-    time.sleep(60)
-in_child = os.read(read, 1).decode()
-env.teardown()  # while the child is still alive
-print(in_child, int(plain_bind_succeeds(port)), int(held_here(port)))
-os.kill(pid, 9)
-os.waitpid(pid, 0)
-"""
-
-
-@RunIf(linux_only=True)
-def test_forked_children_do_not_keep_the_held_port():
-    helpers = "".join(inspect.getsource(f) + "\n" for f in (held_here, plain_bind_succeeds))
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "STANDALONE_PORT")}
-    result = subprocess.run(
-        [sys.executable, "-c", "import os, socket\n" + helpers + _FORK_CHILD], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    in_child, free_after_teardown, held_in_parent = result.stdout.split()
-    assert in_child == "0"
-    assert (free_after_teardown, held_in_parent) == ("1", "0")
-
-
 def test_user_port_is_used_as_given(monkeypatch):
     with socket.socket() as listener:  # the port is busy: a user's port is still never replaced or probed
         listener.bind(("127.0.0.1", 0))
@@ -177,7 +145,7 @@ def test_falls_back_to_the_old_behaviour_with_one_warning(monkeypatch, env):
 
     monkeypatch.setattr(reserved_port, "_bind_like_tcp_store", refuse)
     monkeypatch.setattr(sys, "platform", "linux")
-    reserved_port._warning_cache.clear()
+    reserved_port.warning_cache.clear()
     with pytest.warns(UserWarning, match="could not keep the port it picked reserved") as record:
         ports = [_ReservedPort().port for _ in range(3)]
     assert len(record) == 1
@@ -207,31 +175,6 @@ def test_find_free_network_port_holds_nothing():
     assert plain_bind_succeeds(find_free_network_port())
 
 
-_LAZY_AT_FORK = """
-import os
-calls = []
-register = os.register_at_fork
-def counting(**kwargs):  # torch and others register handlers of their own: count Lightning's
-    calls.extend(f for f in kwargs.values() if f.__qualname__.startswith("_ReservedPort."))
-    register(**kwargs)
-os.register_at_fork = counting
-import lightning.fabric, lightning.fabric.utilities.distributed
-from lightning.fabric.plugins.environments import LightningEnvironment
-imported = len(calls)
-envs = [LightningEnvironment() for _ in range(3)]
-ports = [e.main_port for e in envs]
-print(imported, len(calls))
-"""
-
-
-@RunIf(linux_only=True)
-def test_the_at_fork_handler_is_registered_with_the_first_held_port_not_at_import():
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "STANDALONE_PORT")}
-    result = subprocess.run([sys.executable, "-c", _LAZY_AT_FORK], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["0", "1"]
-
-
 @RunIf(linux_only=True)
 def test_the_spawn_launchers_context_releases_its_environments_port_and_puts_master_port_back(env, monkeypatch):
     port = env.main_port  # picked and held: no MASTER_PORT was set
@@ -241,6 +184,9 @@ def test_the_spawn_launchers_context_releases_its_environments_port_and_puts_mas
         assert held_here(port)
     assert not held_here(port)
     assert os.environ["MASTER_PORT"] == "1234"
+    with _launching_on_port(env):  # a second launch on the port, released by now (fit, then test): as before
+        assert os.environ["MASTER_PORT"] == str(port)
+    assert os.environ["MASTER_PORT"] == "1234"  # put back all the same: the next environment picks its own
     monkeypatch.delenv("MASTER_PORT")
     fresh = LightningEnvironment()
     with pytest.raises(RuntimeError, match="launch failed"), _launching_on_port(fresh):

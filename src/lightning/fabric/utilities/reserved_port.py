@@ -25,31 +25,25 @@ picked exactly as before.
 
 The environment that picked the port owns the reservation. It ends when the process group has been initialized, when
 the processes a spawn launcher started for the port have exited, at the environment's ``teardown()``, or when the
-reservation is garbage collected. A forked child never holds its parent's port.
+reservation is garbage collected.
 
 """
 
-import os
 import socket
 import sys
-import weakref
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from lightning.fabric.utilities.rank_zero import WarningCache
 
-_warning_cache = WarningCache()
+warning_cache = WarningCache()
 
 
 class _ReservedPort:
     """A free TCP port, chosen by the operating system and kept bound by this process until :meth:`release`.
 
-    Copies in other processes (pickled to spawned processes, inherited by forked ones) hold nothing.
+    Copies in other processes (pickled to spawned processes) hold nothing.
 
     """
-
-    # the reservations this process holds, for forked children to close their copies of the sockets
-    _held: ClassVar["weakref.WeakSet[_ReservedPort]"] = weakref.WeakSet()
-    _closing_in_forked_children: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._socket: Optional[socket.socket] = None
@@ -60,7 +54,6 @@ class _ReservedPort:
             self.port: int = sock.getsockname()[1]
             if sys.platform.startswith("linux") and _store_can_bind_next_to(sock, self.port):
                 self._socket = sock
-                self._hold()
         finally:
             if self._socket is None:
                 sock.close()
@@ -73,27 +66,11 @@ class _ReservedPort:
     def release(self) -> None:
         """Close the socket; the port can be given to others again."""
         sock, self._socket = self._socket, None
-        type(self)._held.discard(self)
         if sock is not None:
             sock.close()
 
-    def _hold(self) -> None:
-        cls = type(self)
-        cls._held.add(self)
-        if not cls._closing_in_forked_children and hasattr(os, "register_at_fork"):  # not on Windows
-            # registered with the first port held, not at import: a handler cannot be unregistered
-            os.register_at_fork(after_in_child=cls._release_all)
-            cls._closing_in_forked_children = True
-
-    @classmethod
-    def _release_all(cls) -> None:
-        # in a forked child: closes its copies of the file descriptors only, the parent keeps holding its ports
-        for reservation in list(cls._held):
-            reservation.release()
-
     def __del__(self) -> None:
-        if self._socket is not None:  # the weak set forgets it by itself
-            self._socket.close()
+        self.release()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"port": self.port, "_socket": None}
@@ -105,7 +82,7 @@ def _store_can_bind_next_to(sock: socket.socket, port: int) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         _bind_like_tcp_store(port)
     except OSError as ex:
-        _warning_cache.warn(
+        warning_cache.warn(
             f"Lightning could not keep the port it picked reserved until the rendezvous store binds it ({ex})."
             " Another process may take the port meanwhile, as it could before Lightning reserved ports."
         )

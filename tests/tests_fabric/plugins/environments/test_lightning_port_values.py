@@ -32,7 +32,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 def _no_port_variables(monkeypatch):
     for name in ("MASTER_PORT", "STANDALONE_PORT"):
         monkeypatch.delenv(name, raising=False)
-    lightning_environment._warning_cache.clear()
+    lightning_environment.warning_cache.clear()
 
 
 @pytest.mark.parametrize(("value", "expected"), [("+29533", 29533), (" 29533\n", 29533), ("29_533", 29533)])

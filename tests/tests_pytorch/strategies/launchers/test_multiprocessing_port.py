@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The spawn launcher frees the port Lightning picked, and puts ``MASTER_PORT`` back, when its processes have exited."""
+"""The spawn launchers free the port Lightning picked, and put ``MASTER_PORT`` back, once their processes exit."""
 
 import json
 import os
@@ -41,28 +41,37 @@ class ExitWithoutGlooTeardown(Callback):
 
 if __name__ == "__main__":
     records = []
-    for _ in range(2):  # a sweep: several fits in one process
+    for _ in range(2):  # a sweep: several Trainers in one process, each fits and then tests on one port
         picked = "MASTER_PORT" not in os.environ
         trainer = Trainer(
-            strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=sys.argv[1], devices=2, accelerator="cpu", max_steps=1, limit_val_batches=0, limit_test_batches=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[ExitWithoutGlooTeardown()],
         )
-        trainer.fit(BoringModel())
+        model = BoringModel()
+        trainer.fit(model)
+        after_fit = os.environ.get("MASTER_PORT")
+        trainer.test(model, verbose=False)
         reservation = trainer.strategy.cluster_environment._reserved_port
         held = reservation is not None and reservation.held
-        records.append({"picked": picked, "held_after": held, "master_port_after": os.environ.get("MASTER_PORT")})
+        records.append(
+            {"picked": picked, "held_after": held, "after_fit": after_fit, "after_test": os.environ.get("MASTER_PORT")}
+        )
     print(json.dumps(records))
 """
 
 
 @pytest.mark.timeout(400)
 @RunIf(linux_only=True)
-def test_every_ddp_spawn_fit_holds_a_port_of_its_own(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_every_trainer_of_a_sweep_holds_a_port_of_its_own(tmp_path, strategy):
+    """``MASTER_PORT`` is unset after ``fit`` and after ``test`` on the same port: the next Trainer picks its own."""
     script = tmp_path / "fit.py"
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=350)
+    result = subprocess.run(
+        [sys.executable, str(script), strategy], env=env, capture_output=True, text=True, timeout=350
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads(result.stdout.strip().splitlines()[-1])
-    assert records == [{"picked": True, "held_after": False, "master_port_after": None}] * 2
+    assert records == [{"picked": True, "held_after": False, "after_fit": None, "after_test": None}] * 2
