@@ -135,7 +135,8 @@ def _bind_store(port: int) -> socket.socket:
 def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None], Callable[[], None]]:
     """The picked port, what to call once the store is bound, and what to call when the run has ended."""
     from lightning.fabric.plugins.environments import LightningEnvironment
-    from lightning.fabric.plugins.environments.lightning import _launching_on_port, find_free_network_port
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+    from lightning.fabric.strategies.launchers.multiprocessing import _launching_on_port
 
     nothing = lambda: None  # noqa: E731
     if picker == "stock":
