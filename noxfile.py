@@ -40,7 +40,7 @@ TORCH = [
 ]  # fmt: skip
 OLDEST = TORCH[0]
 # The project's test command (README, .ci/run), run from the repository root against the installed fork.
-TEST_COMMAND = ["python", "-m", "pytest", "--cov", "--cov-report=term"]
+TEST_COMMAND = ["python", "-m", "pytest", "-n", "2", "--cov", "--cov-report=term"]
 UNPATCHED = ["pytorch-lightning", "lightning-fabric"]
 
 CHECK_INSTALL = """
