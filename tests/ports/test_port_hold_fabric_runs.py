@@ -1,19 +1,7 @@
-# Copyright The Lightning AI team.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
 """Fabric runs on the port Lightning picked: two CPU processes (gloo) in a script, several runs per script.
 
-How long each launcher holds the port, and whether ``MASTER_PORT`` outlives the run.
+How long each launcher holds the port, and whether ``MASTER_PORT`` outlives the run. The fork's own checks of 0002
+(each script takes seconds: marked slow).
 
 """
 
@@ -23,10 +11,12 @@ import os
 import subprocess
 import sys
 
+import port_checks
 import pytest
 
-from tests_fabric.helpers import ports
 from tests_fabric.helpers.runif import RunIf
+
+pytestmark = pytest.mark.slow
 
 _SCRIPT = """
 import atexit, json, os, sys
@@ -69,7 +59,7 @@ if __name__ == "__main__":
 
 def _run(tmp_path, strategy, devices, runs, **env):
     script = tmp_path / "train.py"
-    script.write_text("import os, socket\n" + inspect.getsource(ports.held_here) + _SCRIPT)
+    script.write_text("import os, socket\n" + inspect.getsource(port_checks.held_here) + _SCRIPT)
     run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path), strategy, str(devices), str(runs)],
@@ -97,7 +87,7 @@ def test_spawn_releases_the_port_and_master_port_when_the_processes_end(tmp_path
 @RunIf(linux_only=True)
 @pytest.mark.timeout(400)
 def test_spawn_keeps_a_users_master_port(tmp_path):
-    port = ports.free_port()
+    port = port_checks.free_port()
     records, _ = _run(tmp_path, "ddp_spawn", 2, 2, MASTER_PORT=str(port))
     assert [(r["sum"], r["port"], r["master_port_after"]) for r in records] == [(3.0, port, str(port))] * 2
 

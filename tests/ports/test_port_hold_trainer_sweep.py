@@ -1,17 +1,9 @@
-# Copyright The Lightning AI team.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
-"""The spawn launchers free the port Lightning picked, and put ``MASTER_PORT`` back, once their processes exit."""
+"""The Trainer's spawn launchers free the port Lightning picked and put ``MASTER_PORT`` back once their processes exit.
+
+The fork's own check of 0002, a sweep of Trainers in one script (seconds each: marked slow). The pull request checks the
+same property in-process, in upstream's ``tests/tests_pytorch/strategies/launchers/test_multiprocessing.py``.
+
+"""
 
 import json
 import os
@@ -21,6 +13,8 @@ import sys
 import pytest
 
 from tests_pytorch.helpers.runif import RunIf
+
+pytestmark = pytest.mark.slow
 
 _SCRIPT = """
 import atexit, json, multiprocessing, os, sys

@@ -1,0 +1,141 @@
+"""The fork's own checks of the port hold (0002) at the level a user meets it: the environment, the process group, the
+spawn launchers' ``MASTER_PORT``, other processes of the machine.
+
+The pull request's tests are its unit tests of ``_ReservedPort`` (``tests_fabric/utilities/test_reserved_port.py``,
+which this suite runs too) and the tests it adds to upstream's own test files, which the release's sdist does not ship
+(they run in the records of ``docs/upstream-tests.md``). Fabric runs and a Trainer sweep, in subprocesses, are in
+``test_port_hold_fabric_runs.py`` and ``test_port_hold_trainer_sweep.py``.
+
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch.distributed
+from port_checks import held_here, plain_bind_succeeds
+
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.fabric.strategies.launchers.multiprocessing import _launching_on_port
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from tests_fabric.helpers.runif import RunIf
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in ("MASTER_PORT", "STANDALONE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    env = LightningEnvironment()
+    yield env
+    env.teardown()
+
+
+@RunIf(linux_only=True)
+def test_picked_port_is_held_until_teardown(env):
+    port = env.main_port
+    assert env.main_port == port
+    assert held_here(port)
+    assert not plain_bind_succeeds(port)
+    env.teardown()
+    assert not held_here(port)
+    assert plain_bind_succeeds(port)
+    assert env.main_port == port
+
+
+@RunIf(linux_only=True)
+def test_the_process_group_releases_the_port_once_its_store_is_up(env):
+    """``_init_dist_connection`` releases the hold after the store binds: Fabric never calls ``teardown``."""
+    other = LightningEnvironment()
+    other_port = other.main_port  # another environment's port: released by its owner only
+    port = env.main_port
+    _init_dist_connection(env, "gloo", global_rank=0, world_size=1)
+    try:
+        assert not held_here(port)
+        assert env.main_port == port  # the process group lives on it: later reads give the same port
+        assert held_here(other_port)
+    finally:
+        torch.distributed.destroy_process_group()
+        other.teardown()
+    assert plain_bind_succeeds(port)
+
+
+@RunIf(linux_only=True)
+def test_a_process_group_that_fails_to_start_releases_the_port(env):
+    """A user who catches the error and goes on does not keep the port held while the environment lives."""
+    port = env.main_port
+    with pytest.raises(Exception, match=r"(?i)not-a-backend"):  # torch 2.1 names it in upper case
+        _init_dist_connection(env, "not-a-backend", global_rank=0, world_size=1)
+    assert not held_here(port)
+    assert plain_bind_succeeds(port)
+
+
+@RunIf(linux_only=True)
+def test_held_port_is_not_given_to_other_processes(env):
+    script = "from lightning.fabric.plugins.environments.lightning import find_free_network_port as f\n"
+    script += "print(sorted({f() for _ in range(500)}))"
+    port = env.main_port
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert port not in json.loads(out)
+
+
+def test_user_port_is_used_as_given(monkeypatch):
+    with socket.socket() as listener:  # the port is busy: a user's port is still never replaced or probed
+        listener.bind(("127.0.0.1", 0))
+        busy = listener.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", f" {busy}\n")
+        env = LightningEnvironment()
+        assert env.main_port == busy
+        assert env._reserved_port is None
+        monkeypatch.delenv("MASTER_PORT")
+        monkeypatch.setenv("STANDALONE_PORT", str(busy))
+        assert LightningEnvironment().main_port == busy
+        assert find_free_network_port() == busy
+
+
+@RunIf(linux_only=True)
+def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
+    monkeypatch.setattr(socket, "has_dualstack_ipv6", lambda: False)  # the store binds IPv4 there
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        port = env.main_port
+    assert held_here(port)
+
+
+def test_find_free_network_port_holds_nothing():
+    """Holding it would make callers that bind the number without ``SO_REUSEADDR`` fail: it stays as it was."""
+    assert plain_bind_succeeds(find_free_network_port())
+
+
+@RunIf(linux_only=True)
+def test_the_spawn_launchers_context_releases_its_environments_port_and_puts_master_port_back(env, monkeypatch):
+    port = env.main_port  # picked and held: no MASTER_PORT was set
+    monkeypatch.setenv("MASTER_PORT", "1234")  # set afterwards, as by an earlier launch
+    with _launching_on_port(env):
+        assert os.environ["MASTER_PORT"] == str(port)
+        assert held_here(port)
+    assert not held_here(port)
+    assert os.environ["MASTER_PORT"] == "1234"
+    with _launching_on_port(env):  # a second launch on the port, released by now (fit, then test): as before
+        assert os.environ["MASTER_PORT"] == str(port)
+    assert os.environ["MASTER_PORT"] == "1234"  # put back all the same: the next environment picks its own
+    monkeypatch.delenv("MASTER_PORT")
+    fresh = LightningEnvironment()
+    with pytest.raises(RuntimeError, match="launch failed"), _launching_on_port(fresh):
+        raise RuntimeError("launch failed")
+    assert not held_here(fresh.main_port)
+    assert "MASTER_PORT" not in os.environ
+
+
+def test_the_spawn_launchers_context_leaves_a_port_it_did_not_hold_as_before(monkeypatch):
+    """``STANDALONE_PORT``, a user's port or a platform without the hold: ``MASTER_PORT`` stays set, as before."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("STANDALONE_PORT", "4321")
+    env = LightningEnvironment()
+    with _launching_on_port(env):
+        assert os.environ["MASTER_PORT"] == "4321"
+    assert os.environ["MASTER_PORT"] == "4321"
