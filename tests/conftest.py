@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,59 @@ def _provide_runif(package: str) -> None:
 
 _provide_runif("fabric")
 _provide_runif("pytorch")
+
+
+# Tests in the patches' own test files that run whole pytest sessions or several processes: seconds each. The files stay
+# as their pull requests have them (upstream has no `slow` marker), so the fork marks these here, by name, for the quick
+# mode (`-m "not slow"`). The tests of error paths stay in the quick mode, and so do the files' in-process tests.
+_SLOW_TESTS = {
+    "tests_fabric/utilities/test_port_reruns.py": {
+        "test_nothing_changes_for_tests_that_keep_their_port",
+        "test_last_failed_selects_the_same_tests",
+        "test_a_test_that_lost_its_port_is_rerun",
+        "test_a_test_that_lost_its_port_is_rerun_under_xdist",
+        "test_tests_the_suite_reruns_itself_are_left_to_its_settings",
+        "test_number_of_reruns_from_the_environment",
+        "test_a_rerun_runs_as_if_the_test_came_next",
+        "test_a_rerun_is_timed_as_any_attempt",
+    },
+    "tests_fabric/utilities/test_port_reruns_cleanup.py": {
+        "test_only_the_launcher_children_of_the_failed_test_are_killed_and_only_before_a_rerun",
+        "test_a_process_group_the_test_did_not_create_survives",
+        "test_what_the_failed_test_set_up_is_undone_before_the_rerun",
+    },
+    "tests_fabric/utilities/test_port_reruns_evidence.py": {
+        "test_a_child_that_lost_its_port_is_told_from_its_captured_output_never_its_command_line",
+    },
+    "tests_fabric/utilities/test_port_reruns_fixtures.py": {
+        "test_a_shared_fixture_is_rerun_only_by_its_last_test_and_set_up_again_for_it",
+        "test_a_fixture_that_lost_its_port_is_set_up_again_for_the_rerun",
+    },
+    "tests_fabric/utilities/test_port_reruns_junit.py": {
+        "test_junit_xml_has_one_test_case_per_test_with_its_last_outcome",
+    },
+    "tests_fabric/plugins/environments/test_lightning_port_values.py": {
+        "test_master_port_values_that_worked_before_still_run",
+    },
+    "tests_pytorch/checkpointing/test_checkpoint_pre_optimizer_step_ddp.py": {
+        "test_ranks_that_log_in_different_batches_neither_hang_nor_pair_wrongly",
+        "test_a_rank_without_the_monitored_value_defers_as_the_others_do",
+    },
+    "tests_pytorch/checkpointing/test_checkpoint_pre_optimizer_step_costs.py": {
+        "test_no_copy_outlives_the_saves_that_can_use_it",
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).parent
+    for item in items:
+        try:
+            module = item.path.relative_to(tests).as_posix()
+        except ValueError:  # a test outside the fork's suite (an inner pytest session's own)
+            continue
+        if item.originalname in _SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config):

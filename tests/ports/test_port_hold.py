@@ -74,6 +74,7 @@ def test_a_process_group_that_fails_to_start_releases_the_port(env):
     assert plain_bind_succeeds(port)
 
 
+@pytest.mark.slow  # a second interpreter picks 500 ports
 @RunIf(linux_only=True)
 def test_held_port_is_not_given_to_other_processes(env):
     script = "from lightning.fabric.plugins.environments.lightning import find_free_network_port as f\n"

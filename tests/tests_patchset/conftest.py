@@ -11,7 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import DEMO, PROJECT_EMAIL, REPO, copy_project, make_venv, own_new_files, pip, run_python, write
+from patchset_helpers import (
+    DEMO,
+    REPO,
+    commit_as_project,
+    copy_project,
+    first_patch_only,
+    make_venv,
+    own_new_files,
+    pip,
+    run_python,
+    write,
+)
 
 from patchset.pin import CACHE_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
 
@@ -27,10 +38,7 @@ def git_identity(monkeypatch):
 @pytest.fixture
 def project_identity(monkeypatch) -> str:
     """Commit as the project, as the series' upstream-bound patches do (upstream-pr refuses a placeholder author)."""
-    for role in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
-        monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
-    return f"Lightning patch set <{PROJECT_EMAIL}>"
+    return commit_as_project(monkeypatch)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -64,14 +72,7 @@ def project(tmp_path: Path, upstream_sdist: Path) -> Path:
 
     The tool's tests work on a fixed, small series so that they do not change meaning as patches are added.
     """
-    project = copy_project(tmp_path / "project")
-    patches = project / "patches"
-    series = (patches / "series").read_text().splitlines()
-    names = [line for line in series if line and not line.startswith("#")]
-    for name in names[1:]:
-        (patches / name).unlink()
-    (patches / "series").write_text("\n".join([*(line for line in series if line.startswith("#")), names[0]]) + "\n")
-    return project
+    return first_patch_only(copy_project(tmp_path / "project"))
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 from patchset.pin import read_pin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +42,25 @@ def copy_project(dest: Path, include: tuple[str, ...] = _PROJECT_FILES) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, target)
     return dest
+
+
+def first_patch_only(project: Path) -> Path:
+    """Cut the copy's series to its first patch: the tool's tests work on a fixed, small series."""
+    patches = project / "patches"
+    lines = (patches / "series").read_text().splitlines()
+    names = [line for line in lines if line and not line.startswith("#")]
+    for name in names[1:]:
+        (patches / name).unlink()
+    (patches / "series").write_text("\n".join([*(line for line in lines if line.startswith("#")), names[0]]) + "\n")
+    return project
+
+
+def commit_as_project(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Commit as the project, as the series' upstream-bound patches do (upstream-pr refuses a placeholder author)."""
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
+    return f"Lightning patch set <{PROJECT_EMAIL}>"
 
 
 def write(path: Path, text: str) -> Path:

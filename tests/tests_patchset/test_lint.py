@@ -1,22 +1,32 @@
-"""The series' own rules, as `check` reports them: each broken rule is one FAIL line naming the patch or file."""
+"""The series' own rules: each broken rule is one sentence naming the patch or file, and `check` reports each as a
+FAIL line.
+
+The rules read only ``patches/`` and the new files, so most cases run :func:`~patchset.lint.lint` on a copy of one
+exported project, made once; the cases that need a workspace or the whole ``check`` make their own.
+"""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
-from patchset_helpers import git, write
+from patchset_helpers import commit_as_project, copy_project, first_patch_only, git, write
 
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
-from patchset.lint import placeholder_author
-from patchset.materialize import WORKSPACE, materialize_workspace
+from patchset.lint import lint, placeholder_author
+from patchset.materialize import WORKSPACE, materialize_workspace, overlay_files
 from patchset.series import read_series
 
 PROJECT = "Lightning patch set <maintainers@users.noreply.a-seed-28b837d4.example>"
 
 
 def _failures(project: Path) -> list[str]:
+    return lint(project, overlay_files(project))
+
+
+def _check_failures(project: Path) -> list[str]:
     return [f.message for f in check(project) if not f.ok]
 
 
@@ -26,9 +36,8 @@ def _edit(patch: Path, old: str, new: str) -> None:
     patch.write_text(text.replace(old, new, 1))
 
 
-@pytest.fixture
-def upstream_patch(project: Path, project_identity: str) -> Path:
-    """The project with a second, upstream-bound patch made in the workspace under the project's identity."""
+def _add_upstream_patch(project: Path) -> Path:
+    """A second, upstream-bound patch, made in the workspace and exported (commits under the project's identity)."""
     write(project / "src/lightning/fabric/utilities/_demo.py", "VALUE = 1\n")
     workspace = materialize_workspace(project)
     init = workspace / "src/lightning/fabric/utilities/__init__.py"
@@ -36,8 +45,43 @@ def upstream_patch(project: Path, project_identity: str) -> Path:
     message = "fabric: demo\n\nWhy it exists.\n\nForwarded: no\nNew-Files: src/lightning/fabric/utilities/_demo.py\n"
     git(workspace, "commit", "-qam", message)
     export(project)
+    return read_series(project)[1].path
+
+
+@pytest.fixture
+def upstream_workspace(project: Path, project_identity: str) -> Path:
+    """The project with a second, upstream-bound patch, and the workspace it was made in; the patch passes check."""
+    patch = _add_upstream_patch(project)
+    assert _check_failures(project) == []
+    return patch
+
+
+@pytest.fixture(scope="session")
+def _exported(tmp_path_factory: pytest.TempPathFactory, upstream_sdist: Path) -> Path:
+    """One project with the second patch exported, made once: the lint cases copy its ``patches/`` and new files."""
+    project = first_patch_only(copy_project(tmp_path_factory.mktemp("lint") / "project"))
+    with pytest.MonkeyPatch.context() as mp:
+        commit_as_project(mp)
+        _add_upstream_patch(project)
+    shutil.rmtree(project / WORKSPACE.parent)
+    return project
+
+
+@pytest.fixture
+def upstream_patch(_exported: Path, tmp_path: Path) -> Path:
+    """A copy of the project with a second, upstream-bound patch that breaks no rule: edit it, then lint."""
+    project = tmp_path / "project"
+    shutil.copytree(_exported, project, symlinks=True)
     assert _failures(project) == []
     return read_series(project)[1].path
+
+
+def test_check_reports_each_broken_rule_as_a_fail_line(upstream_workspace: Path):
+    _edit(upstream_workspace, "Why it exists.\n\n", "")
+    _edit(upstream_workspace, "Forwarded: no", "Forwarded: not needed")
+    failures = _check_failures(upstream_workspace.parents[1])
+    assert failures == _failures(upstream_workspace.parents[1])
+    assert len(failures) == 2, failures
 
 
 def test_a_patch_file_the_series_does_not_list_and_a_name_listed_twice(project: Path):
@@ -104,7 +148,8 @@ def test_a_fork_only_patch_may_keep_a_placeholder_author_and_own_fork_files(proj
     assert _failures(project) == []
 
 
-def test_a_patch_that_creates_a_file_is_refused(upstream_patch: Path):
+def test_a_patch_that_creates_a_file_is_refused(upstream_workspace: Path):
+    upstream_patch = upstream_workspace
     workspace = upstream_patch.parents[1] / WORKSPACE
     write(workspace / "src/lightning/fabric/utilities/_created.py", "X = 1\n")
     git(workspace, "add", "-f", "src/lightning/fabric/utilities/_created.py")
@@ -112,12 +157,12 @@ def test_a_patch_that_creates_a_file_is_refused(upstream_patch: Path):
     export(upstream_patch.parents[1])
     assert any(
         "creates src/lightning/fabric/utilities/_created.py: new files live in the project's overlay" in f
-        for f in _failures(upstream_patch.parents[1])
+        for f in _check_failures(upstream_patch.parents[1])
     )
 
 
-def test_export_refuses_uncommitted_edits_and_names_them(upstream_patch: Path, run_cli):
-    project = upstream_patch.parents[1]
+def test_export_refuses_uncommitted_edits_and_names_them(upstream_workspace: Path, run_cli):
+    project = upstream_workspace.parents[1]
     init = project / WORKSPACE / "src/lightning/fabric/utilities/__init__.py"
     init.write_text(init.read_text() + "# not committed\n")
     with pytest.raises(

@@ -79,6 +79,7 @@ def pytest_collection_modifyitems(items, config):
 pytestmark = pytest.mark.usefixtures("project_identity")  # upstream-pr refuses the tests' placeholder identity
 
 
+@pytest.mark.slow  # real pytest runs of upstream's jobs, on a branch and its base
 def test_branch_and_base_are_tested_and_each_failure_is_attributed(project: Path, tmp_path: Path):
     onto = tmp_path / "upstream"
     base_repo(read_pin(project), onto)
