@@ -65,9 +65,6 @@ _SLOW_TESTS = {
     "tests_fabric/utilities/test_port_reruns_junit.py": {
         "test_junit_xml_has_one_test_case_per_test_with_its_last_outcome",
     },
-    "tests_fabric/plugins/environments/test_lightning_port_values.py": {
-        "test_master_port_values_that_worked_before_still_run",
-    },
     "tests_pytorch/checkpointing/test_checkpoint_pre_optimizer_step_ddp.py": {
         "test_ranks_that_log_in_different_batches_neither_hang_nor_pair_wrongly",
         "test_a_rank_without_the_monitored_value_defers_as_the_others_do",
