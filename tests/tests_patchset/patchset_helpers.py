@@ -8,10 +8,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from patchset import backend
 from patchset.pin import read_pin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +113,32 @@ def pip(
         cmd = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args]
     environ = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run(cmd, capture_output=True, text=True, env={**environ, **(env or {})}, cwd=cwd)
+
+
+def pip_wheel(project: Path, dest: Path, flavour: str | None = None) -> Path:
+    """Build the fork's wheel into ``dest`` as the docs and the release workflow do (``pip wheel --no-deps``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PACKAGE_NAME"}
+    if flavour:
+        env["PACKAGE_NAME"] = flavour
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp, str(project)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (built,) = Path(tmp).glob("*.whl")
+        dest.mkdir(parents=True, exist_ok=True)
+        return built.replace(dest / built.name)
+
+
+def build_in_process(
+    project: Path, dest: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """Run the backend's ``build_wheel`` hook in this process, in the project as pip would; what it printed."""
+    monkeypatch.chdir(project)
+    dest.mkdir(parents=True, exist_ok=True)
+    with pytest.raises(SystemExit):
+        backend.build_wheel(str(dest))
+    assert not list(dest.iterdir())
+    return capsys.readouterr().err
 
 
 def run_python(python: Path, code: str) -> str:

@@ -11,7 +11,18 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import DEMO, FORK, copy_project, git, make_venv, pip, run_python, site_packages, write
+from patchset_helpers import (
+    DEMO,
+    FORK,
+    build_in_process,
+    copy_project,
+    git,
+    make_venv,
+    pip,
+    run_python,
+    site_packages,
+    write,
+)
 
 
 @pytest.mark.slow
@@ -146,15 +157,14 @@ def test_hash_mismatch_fails_with_one_line_and_installs_nothing(demo_project: Pa
     assert not (site_packages(python) / "lightning").exists()
 
 
-def test_cli_install_refuses_a_bad_pin_before_building(tmp_path: Path, run_cli):
+def test_a_bad_pin_is_refused_before_building(tmp_path: Path, monkeypatch, capsys):
     project = copy_project(tmp_path / "project")
     pin = project / "patches" / "upstream.pin"
     pin.write_text(pin.read_text().replace("sha256 = ", "sha256 = 0", 1))
-    proc = run_cli(project, "install", "--dist", str(tmp_path / "dist"))
-    assert proc.returncode == 1
-    assert proc.stderr.strip().startswith("patchset: error: ")
-    assert "sha256 must be 64 hex digits" in proc.stderr
-    assert not (tmp_path / "dist").exists()
+    err = build_in_process(project, tmp_path / "dist", monkeypatch, capsys)
+    assert err.startswith("patchset: error: ")
+    assert "sha256 must be 64 hex digits" in err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.slow
@@ -211,25 +221,12 @@ def test_editable_flavour_is_refused_in_one_line(demo_project: Path, tmp_path: P
     )
 
 
-@pytest.mark.slow
-def test_cli_build_then_install_into_another_environment(demo_project: Path, tmp_path: Path, run_cli):
-    python = make_venv(tmp_path / "venv")
-    proc = run_cli(demo_project, "install", "--dist", str(tmp_path / "dist"), "--python", str(python))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith(f"installed lightning-{FORK}-py3-none-any.whl")
-    assert [p.name for p in (tmp_path / "dist").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
-    site = site_packages(python)
-    assert (site / "lightning" / "fabric" / "utilities" / "_patchset_demo.py").is_file()
-    assert run_python(python, "import lightning; print(lightning.__version__)") == FORK
-
-
-def test_cli_build_reports_a_broken_patch_in_one_line(demo_project: Path, tmp_path: Path, run_cli):
+def test_a_broken_patch_fails_the_build_in_one_line(demo_project: Path, tmp_path: Path, monkeypatch, capsys):
     patch = next((demo_project / "patches").glob("0001-*.patch"))
     patch.write_text(patch.read_text().replace("unfreeze=", "defrost=", 1))
-    proc = run_cli(demo_project, "build", "--dist", str(tmp_path / "dist"))
-    assert proc.returncode == 1
-    assert proc.stderr.startswith(f"patchset: error: {patch.name} does not apply: src/lightning/__setup__.py, hunk `@@")
-    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
+    err = build_in_process(demo_project, tmp_path / "dist", monkeypatch, capsys)
+    assert err.startswith(f"patchset: error: {patch.name} does not apply: src/lightning/__setup__.py, hunk `@@")
+    assert err.count("\n") == 1
 
 
 @pytest.mark.slow

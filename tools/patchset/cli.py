@@ -170,20 +170,6 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace) -> int:
-    from patchset.wheels import build
-
-    print(build(args.project, args.dist, args.flavour))
-    return 0
-
-
-def _install(args: argparse.Namespace) -> int:
-    from patchset.wheels import install
-
-    print(f"installed {install(args.project, args.dist, args.python, args.pip_args, args.flavour).name}")
-    return 0
-
-
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m patchset``."""
     from patchset.upstream_record import RUNS
@@ -284,18 +270,6 @@ def parser() -> argparse.ArgumentParser:
     cmd = sub.add_parser("fetch", help="download (or find in the cache) the pinned sdist and print its path")
     cmd.set_defaults(run=_fetch)
 
-    for name, run, text in (("build", _build, "build the fork's wheel"), ("install", _install, "build, then install")):
-        cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--dist", type=Path, default=Path("dist"), help="where the wheel goes (default: dist)")
-        cmd.add_argument(
-            "--flavour",
-            choices=["pytorch", "fabric"],
-            help="build pytorch-lightning (pytorch_lightning + lightning_fabric) or lightning-fabric instead",
-        )
-        if name == "install":
-            cmd.add_argument("--python", help="install into this interpreter's environment (default: the running one)")
-            cmd.add_argument("pip_args", nargs="*", help="extra arguments for pip install (after --)")
-        cmd.set_defaults(run=run)
     return top
 
 
