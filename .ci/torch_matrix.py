@@ -2,7 +2,7 @@
 
 Used by noxfile.py and the CI workflow; standard library only, so it runs in any session's venv:
 
-    python .ci/torch_matrix.py record --kind tests --session NAME --torch X -- python -m pytest -n 2 --cov --cov-report=term
+    python .ci/torch_matrix.py record --kind tests --session NAME --torch X -- python -m pytest -n 2
         runs the command (output streamed, and kept with --log), parses pytest's closing summary, stores the result
         of this cell (kind, torch, Python, OS) in docs/torch-matrix.md and rewrites its table; exits with the
         command's exit code.

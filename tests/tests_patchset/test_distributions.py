@@ -16,7 +16,7 @@ from patchset_helpers import DEMO, FORK, REPO, build_in_process, pip_wheel, writ
 from patchset import PatchsetError
 from patchset.build_label import build_pin
 from patchset.fork_metadata import fork_metadata, fork_url
-from patchset.materialize import overlay_files
+from patchset.overlay import overlay_files
 from patchset.pin import read_pin
 from patchset.reproducible import finish_wheel
 

@@ -16,8 +16,9 @@ from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
 from patchset.lint import lint, placeholder_author
-from patchset.materialize import WORKSPACE, materialize_workspace, overlay_files
+from patchset.overlay import overlay_files
 from patchset.series import read_series
+from patchset.workspace import WORKSPACE, materialize_workspace
 
 PROJECT = "Lightning patch set <maintainers@users.noreply.a-seed-28b837d4.example>"
 

@@ -10,10 +10,10 @@ from patchset_helpers import git
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
-from patchset.materialize import materialize_workspace
 from patchset.pin import extract_sdist, file_sha256, read_pin
 from patchset.rebase import rebase
 from patchset.series import read_series
+from patchset.workspace import materialize_workspace
 
 SETUP = "src/lightning/__setup__.py"
 

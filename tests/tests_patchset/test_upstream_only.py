@@ -13,11 +13,12 @@ from patchset import PatchsetError
 from patchset.check import check, check_upstream
 from patchset.export import export
 from patchset.import_pr import import_pr
-from patchset.materialize import WORKSPACE, base_repo, materialize_workspace, patched_tree
+from patchset.materialize import base_repo, patched_tree
 from patchset.pin import read_pin
 from patchset.sections import read_note, split_patch
 from patchset.series import read_series
 from patchset.upstream_pr import upstream_pr
+from patchset.workspace import WORKSPACE, materialize_workspace
 
 MESSAGE = """fabric: note the demo in the conftest
 

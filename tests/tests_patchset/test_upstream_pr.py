@@ -9,10 +9,11 @@ from patchset_helpers import PR_TEMPLATE, PROJECT_EMAIL, git, write
 
 from patchset import PatchsetError
 from patchset.export import export
-from patchset.materialize import base_repo, materialize_workspace
+from patchset.materialize import base_repo
 from patchset.pin import read_pin
 from patchset.series import ChangelogEntry
 from patchset.upstream_pr import insert_changelog, upstream_pr
+from patchset.workspace import materialize_workspace
 
 MESSAGE = """fabric: add a demo helper
 

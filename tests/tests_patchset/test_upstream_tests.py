@@ -9,7 +9,7 @@ from patchset_helpers import REPO, git, write
 from test_upstream_ci import TESTS_WORKFLOW
 
 from patchset.export import export
-from patchset.materialize import base_repo, materialize_workspace
+from patchset.materialize import base_repo
 from patchset.pin import read_pin
 from patchset.series import read_series
 from patchset.upstream_record import (
@@ -26,6 +26,7 @@ from patchset.upstream_record import (
     sections,
 )
 from patchset.upstream_tests import run_upstream_tests, upstream_ancestor
+from patchset.workspace import materialize_workspace
 
 INIT = "src/lightning/fabric/utilities/__init__.py"
 TINY_TESTS = f'''from pathlib import Path

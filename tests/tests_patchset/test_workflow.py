@@ -10,8 +10,8 @@ from patchset_helpers import FORK, git, write
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export
-from patchset.materialize import WORKSPACE, materialize_workspace
 from patchset.series import read_series
+from patchset.workspace import WORKSPACE, materialize_workspace
 
 
 def _patch_bytes(project: Path) -> dict[str, bytes]:

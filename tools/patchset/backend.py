@@ -90,6 +90,10 @@ def _fork_tree() -> Iterator[Path]:
 
 
 def _setuptools() -> Any:
+    """Setuptools' own backend, imported only by the hooks that delegate to it (metadata, wheel, editable).
+
+    The sdist hook, which does not, runs without importing setuptools at all.
+    """
     import setuptools.build_meta  # type: ignore[import-untyped,unused-ignore]
 
     return setuptools.build_meta

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.export import format_commit
-from patchset.gitops import am, git, out
+from patchset.gitops import am, default_branch, git, out
 from patchset.lint import lint
-from patchset.materialize import _diagnose, base_repo, check_overlay, overlay_files
+from patchset.materialize import base_repo, diagnose
+from patchset.overlay import check_overlay, overlay_files
 from patchset.pin import read_pin
 from patchset.sections import exclude_args, join_patch, shipped_files, split_patch, upstream_only
-from patchset.series import read_series
+from patchset.series import find_patch, read_series
+from patchset.workspace import format_commit
 
 
 @dataclass
@@ -42,11 +43,11 @@ def check(project: Path) -> list[Finding]:
             extra = upstream_only(patch.path, shipped)
             skip = exclude_args(extra)
             if git(repo, "apply", "--check", *skip, str(patch.path), check=False).returncode != 0:
-                findings.append(Finding(patch.name, False, _diagnose(repo, patch, skip)))
+                findings.append(Finding(patch.name, False, diagnose(repo, patch, skip)))
                 continue
             if am(repo, "-q", "--keep-cr", *skip, str(patch.path)).returncode != 0:
                 git(repo, "am", "--abort", check=False)
-                findings.append(Finding(patch.name, False, _diagnose(repo, patch, skip)))
+                findings.append(Finding(patch.name, False, diagnose(repo, patch, skip)))
                 continue
             head, sections = split_patch(format_commit(repo, out(repo, "rev-parse", "HEAD")))
             exported = join_patch(head, sections + extra)
@@ -76,8 +77,6 @@ def check_upstream(project: Path, checkout: Path, base: str | None = None) -> li
     patches it ``Depends-On`` applied first, so the checkout's branch, index and files are untouched. A patch must
     apply without fuzz (offsets are fine: upstream moved on) and its new files must not exist there yet.
     """
-    from patchset.upstream_pr import default_branch, find_patch
-
     if not (checkout / ".git").exists():
         raise PatchsetError(f"{checkout}: not a git checkout of upstream Lightning")
     base = base or default_branch(checkout)

@@ -7,21 +7,30 @@ import sys
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.check import check, check_upstream
+from patchset.export import diff_text, export, preview
+from patchset.feature_request import default_request_path, feature_request
+from patchset.import_pr import import_pr
+from patchset.pin import fetch_sdist, read_pin
+from patchset.pr_text import default_path, pr_description, unanswered
+from patchset.rebase import rebase
+from patchset.release import release
+from patchset.series import find_patch
+from patchset.upstream_pr import default_base, upstream_pr
+from patchset.upstream_record import PAGE, RUNS
+from patchset.upstream_tests import run_upstream_tests
+from patchset.workspace import materialize_workspace
 
 _DEFAULT_PROJECT = Path(__file__).resolve().parents[2]
 
 
 def _materialize(args: argparse.Namespace) -> int:
-    from patchset.materialize import materialize_workspace
-
     workspace = materialize_workspace(args.project, force=args.force)
     print(f"materialized {workspace}: edit, commit there, then run `export`")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from patchset.export import diff_text, export, preview
-
     if args.check:
         old, new = preview(args.project)
         diff = diff_text(old, new)
@@ -35,8 +44,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from patchset.check import check, check_upstream
-
     findings = check(args.project)
     if args.upstream is not None:
         findings += check_upstream(args.project, args.upstream.resolve(), args.base)
@@ -46,8 +53,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _upstream_pr(args: argparse.Namespace) -> int:
-    from patchset.upstream_pr import upstream_pr
-
     branch = upstream_pr(
         args.project,
         args.patch,
@@ -63,9 +68,6 @@ def _upstream_pr(args: argparse.Namespace) -> int:
 
 
 def _write_description(args: argparse.Namespace) -> int:
-    from patchset.pr_text import default_path, pr_description, unanswered
-    from patchset.upstream_pr import default_base, find_patch
-
     patch = find_patch(args.project, args.patch)
     onto = args.onto.resolve()
     try:
@@ -86,9 +88,6 @@ def _write_description(args: argparse.Namespace) -> int:
 
 
 def _write_feature_request(args: argparse.Namespace) -> int:
-    from patchset.feature_request import default_request_path, feature_request
-    from patchset.upstream_pr import default_base, find_patch
-
     patch = find_patch(args.project, args.patch)
     onto = args.onto.resolve()
     try:
@@ -105,8 +104,6 @@ def _write_feature_request(args: argparse.Namespace) -> int:
 
 
 def _import_pr(args: argparse.Namespace) -> int:
-    from patchset.import_pr import import_pr
-
     result = import_pr(args.project, args.patch, args.onto.resolve(), args.branch, args.base)
     print(f"{result.patch}: {len(result.upstream_only)} upstream-only sections, {len(result.new_files)} new files")
     for path in result.not_taken:
@@ -117,9 +114,6 @@ def _import_pr(args: argparse.Namespace) -> int:
 
 
 def _upstream_tests(args: argparse.Namespace) -> int:
-    from patchset.upstream_record import PAGE
-    from patchset.upstream_tests import run_upstream_tests
-
     records = run_upstream_tests(
         args.project,
         args.patch,
@@ -140,8 +134,6 @@ def _upstream_tests(args: argparse.Namespace) -> int:
 
 
 def _rebase(args: argparse.Namespace) -> int:
-    from patchset.rebase import rebase
-
     result = rebase(args.project, args.version, args.sdist, args.sha256)
     print(f"pinned {result.pin.name} {result.pin.version} (sha256 {result.pin.sha256}) in patches/upstream.pin")
     for subject in result.dropped:
@@ -155,8 +147,6 @@ def _rebase(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from patchset.release import release
-
     done = release(args.project, args.date)
     print(f"released {done.version}: tag {done.tag} at {done.commit[:12]}; this checkout now builds", done.next_version)
     print(f"nothing was pushed; to publish: git push origin HEAD {done.tag} (the release workflow attaches the wheels)")
@@ -164,16 +154,12 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from patchset.pin import fetch_sdist, read_pin
-
     print(fetch_sdist(read_pin(args.project)))
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m patchset``."""
-    from patchset.upstream_record import RUNS
-
     top = argparse.ArgumentParser(prog="patchset", description=__doc__)
     top.add_argument(
         "--project", type=Path, default=_DEFAULT_PROJECT, help="the patch set checkout (default: this one)"

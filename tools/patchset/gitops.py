@@ -108,3 +108,31 @@ def git_path(repo: Path, name: str, isolated: bool = True) -> Path:
 def in_progress(repo: Path, isolated: bool = True) -> str | None:
     """The git operation paused in ``repo`` (a rebase, say), if any."""
     return next((what for name, what in _IN_PROGRESS.items() if git_path(repo, name, isolated).exists()), None)
+
+
+def check_checkout(onto: Path) -> None:
+    """Refuse a checkout that is not a git checkout, has uncommitted changes, or has someone's operation paused."""
+    if not (onto / ".git").exists():
+        raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
+    operation = in_progress(onto, isolated=False)
+    if operation:
+        raise PatchsetError(f"{onto} is in the middle of {operation}: finish or abort it first")
+    if not is_clean(onto, isolated=False):
+        raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
+
+
+def default_branch(checkout: Path) -> str:
+    """Upstream's default branch in ``checkout``: what ``origin/HEAD`` names, else a local ``master`` or ``main``."""
+    proc = git(checkout, "symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD", check=False, isolated=False)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return proc.stdout.decode().strip()
+    for name in ("master", "main"):
+        if git(checkout, "rev-parse", "--verify", "--quiet", f"refs/heads/{name}", check=False).returncode == 0:
+            return name
+    raise PatchsetError(f"{checkout}: no origin/HEAD, master or main; name the base branch with --base")
+
+
+def current_branch(onto: Path) -> str:
+    """The checked-out branch, or the commit when HEAD is detached."""
+    proc = git(onto, "symbolic-ref", "--quiet", "--short", "HEAD", check=False, isolated=False)
+    return proc.stdout.decode().strip() if proc.returncode == 0 else out(onto, "rev-parse", "HEAD", isolated=False)

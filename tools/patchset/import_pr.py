@@ -17,10 +17,12 @@ from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import git
-from patchset.materialize import OVERLAY_ROOTS, WORKSPACE, materialize_workspace
+from patchset.overlay import OVERLAY_ROOTS
 from patchset.pin import fetch_sdist, read_pin
 from patchset.sections import join_patch, split_patch
-from patchset.upstream_pr import CHANGELOG_PATHS, START_REFS, branch_name, default_base, find_patch
+from patchset.series import find_patch
+from patchset.upstream_pr import CHANGELOG_PATHS, START_REFS, branch_name, default_base
+from patchset.workspace import WORKSPACE, materialize_workspace, unexported_work
 
 
 @dataclass
@@ -55,8 +57,6 @@ def _start(onto: Path, branch: str, base: str) -> str:
 
 def import_pr(project: Path, ref: str, onto: Path, branch: str | None = None, base: str | None = None) -> ImportResult:
     """Write the upstream-only sections and new files of ``branch`` (in checkout ``onto``) back into the patch."""
-    from patchset.export import unexported_work
-
     patch = find_patch(project, ref)
     branch = branch or branch_name(patch)
     base = base or default_base(project, patch, onto)

@@ -9,7 +9,7 @@ from pathlib import Path
 from patchset import PatchsetError
 from patchset.pin import PIN_FILE
 from patchset.sections import split_patch
-from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, read_series
+from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, read_series, series_entries
 
 # DEP-3: `Forwarded` is `no`, `not-needed` or where the patch was sent; `Applied-Upstream` appears only once the patch
 # is applied upstream, and names the version, the URL or the commit that has it.
@@ -84,8 +84,7 @@ def _series_file(project: Path) -> list[str]:
     series = project / SERIES_FILE
     if not series.is_file():
         return []  # read_series names the missing file
-    listed = [line.split("#", 1)[0].strip() for line in series.read_text(encoding="utf-8").splitlines()]
-    listed = [name for name in listed if name]
+    listed = [name for _, name in series_entries(series.read_text(encoding="utf-8"))]
     problems = [
         f"{SERIES_FILE}: {name} is listed more than once" for name in sorted(set(listed)) if listed.count(name) > 1
     ]

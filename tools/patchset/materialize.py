@@ -7,45 +7,22 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.build_label import build_pin
 from patchset.gitops import am, git, init_repo
+from patchset.overlay import check_overlay, lay_overlay, overlay_files, refuse_stray_sources
 from patchset.pin import Pin, cache_dir, extract_sdist, fetch_sdist, read_pin
 from patchset.sections import NOTES_REF, exclude_args, shipped_files, upstream_only, write_note
 from patchset.series import Patch, read_series, series_digest_material
 
-# Folders of this repo whose files are new files at upstream paths, laid over the upstream tree.
-# Pages of the fork itself (docs/torch-matrix.md, say) sit beside these in docs/ and are not laid over.
-OVERLAY_ROOTS = ("src", "tests/tests_fabric", "tests/tests_pytorch", "docs/source-fabric", "docs/source-pytorch")
-_SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
-WORKSPACE = Path(".work") / "tree"
 BASE_TAG = "upstream"
 # Bump when the layout of cached trees changes, so old caches are not reused.
 _CACHE_FORMAT = b"patchset-tree-1"
 
 
-def overlay_files(project: Path) -> list[str]:
-    """Our new files at upstream paths, as sorted POSIX paths relative to the project."""
-    found = []
-    for root in OVERLAY_ROOTS:
-        base = project / root
-        if not base.is_dir():
-            continue
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_PARTS and not d.endswith(".egg-info"))
-            for name in filenames:
-                if name.endswith((".pyc", ".pyo")):
-                    continue
-                found.append((Path(dirpath) / name).relative_to(project).as_posix())
-    return sorted(found)
-
-
-def _diagnose(repo: Path, patch: Patch, skip: list[str] | None = None) -> str:
+def diagnose(repo: Path, patch: Patch, skip: list[str] | None = None) -> str:
     """Why ``patch`` does not apply to ``repo``: already upstream, or which file and hunk fail.
 
     ``skip`` holds ``--exclude`` options for sections the repository does not have (upstream-only sections).
@@ -106,41 +83,9 @@ def apply_series(repo: Path, patches: list[Patch], three_way: bool = True, notes
         args = ["-q", "--keep-cr", *(["-3"] if three_way else []), *skip, str(patch.path)]
         if am(repo, *args).returncode != 0:
             git(repo, "am", "--abort", check=False)
-            raise PatchsetError(_diagnose(repo, patch, skip))
+            raise PatchsetError(diagnose(repo, patch, skip))
         if notes and extra:
             write_note(repo, "HEAD", extra)
-
-
-def check_overlay(project: Path, tree: Path) -> list[str]:
-    """Our new files; refuse any that would shadow a file of the (patched) upstream tree."""
-    files = overlay_files(project)
-    shadows = []
-    for rel in files:
-        target = tree / rel
-        if target.is_symlink() and Path(os.readlink(target)) == (project / rel).resolve():
-            continue
-        if target.exists() or target.is_symlink():
-            shadows.append(rel)
-    if shadows:
-        raise PatchsetError(
-            f"{shadows[0]} would shadow an upstream file"
-            + (f" (and {len(shadows) - 1} more)" if len(shadows) > 1 else "")
-            + ": change upstream files through a patch, not by overlaying them"
-        )
-    return files
-
-
-def lay_overlay(project: Path, tree: Path, files: list[str], link: bool) -> None:
-    """Place our new files into ``tree``: symlinks (edits take effect at once) or copies."""
-    for rel in files:
-        target = tree / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_symlink():
-            target.unlink()
-        if link:
-            target.symlink_to((project / rel).resolve())
-        else:
-            shutil.copy2(project / rel, target)
 
 
 def write_version(tree: Path, pin: Pin) -> list[Path]:
@@ -184,22 +129,6 @@ def patched_tree(project: Path) -> Path:
     return final
 
 
-def refuse_stray_sources(project: Path, files: list[str]) -> None:
-    """Refuse to build a file under ``src/`` that no patch's ``New-Files:`` owns: it would ship in no pull request.
-
-    ``check`` reports every unowned new file; the build stops only for those it would put into the wheel.
-    """
-    patches = read_series(project)
-    stray = [rel for rel in files if rel.startswith("src/") and not any(patch.owns(rel) for patch in patches)]
-    if stray:
-        raise PatchsetError(
-            f"{stray[0]} belongs to no patch"
-            + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
-            + ": add it to the `New-Files:` of the patch whose pull request it is part of (a fork-only file to a"
-            " `Forwarded: not-needed` patch), or remove it; nothing was built"
-        )
-
-
 def build_tree(project: Path, dest: Path, link: bool = False) -> Path:
     """A complete fork source tree at ``dest``: patched upstream, our new files and the version label."""
     pin = read_pin(project)
@@ -212,79 +141,6 @@ def build_tree(project: Path, dest: Path, link: bool = False) -> Path:
     lay_overlay(project, dest, files, link=link)
     write_version(dest, build_pin(project, pin))
     return dest
-
-
-def materialize_workspace(project: Path, force: bool = False) -> Path:
-    """Make ``.work/tree``: a git repo with the upstream base, one commit per patch, our files linked in.
-
-    Refuses to replace a workspace holding work not exported yet, unless ``force``; the replaced workspace is kept
-    as ``.work/previous-tree`` either way.
-    """
-    from patchset.export import record_snapshot, unexported_work
-    from patchset.gitops import in_progress
-
-    workspace = project / WORKSPACE
-    previous = workspace.with_name("previous-tree")
-    workspace.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(workspace.parent / ".lock"):
-        if workspace.exists() and not force:
-            if not (workspace / ".git").is_dir():
-                raise PatchsetError(
-                    f"{workspace} exists but was not made by `materialize`: move it away or use --force"
-                )
-            operation = in_progress(workspace)
-            if operation:
-                raise PatchsetError(f"{workspace} is in the middle of {operation}: finish or abort it first")
-            pending = unexported_work(project, workspace)
-            if pending:
-                raise PatchsetError(
-                    f"{workspace} has work not exported to patches/ ({', '.join(pending)}): run `export` first,"
-                    " or materialize with --force to set it aside"
-                )
-        with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
-            repo = Path(tmp) / "tree"
-            make_workspace(project, repo)
-            record_snapshot(project, repo)
-            if workspace.exists():
-                keep_previous_tree(project)
-                os.rename(workspace, previous)
-            os.rename(repo, workspace)
-    return workspace
-
-
-def keep_previous_tree(project: Path) -> Path | None:
-    """Move an earlier ``.work/previous-tree`` aside as ``previous-tree-<UTC time>``, so no backup is overwritten.
-
-    ``materialize_workspace`` keeps the workspace it replaces as ``.work/previous-tree`` and calls this first.
-    Returns where the earlier backup went, if there was one.
-    """
-    previous = (project / WORKSPACE).with_name("previous-tree")
-    if not previous.exists() or not (project / WORKSPACE).exists():
-        return None  # materialize will not replace it
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = previous.with_name(f"previous-tree-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = previous.with_name(f"previous-tree-{stamp}-{n}")
-    os.rename(previous, target)
-    return target
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One materialize at a time per checkout (POSIX ``flock``; elsewhere, no lock)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def make_workspace(project: Path, repo: Path) -> None:

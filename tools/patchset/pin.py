@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,8 +214,6 @@ def write_pin(project: Path, pin: Pin) -> None:
 
 def extract_sdist(sdist: Path, dest: Path) -> None:
     """Unpack ``sdist`` so that its single top-level folder's contents land directly in ``dest``."""
-    import tarfile
-
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         with tarfile.open(sdist) as tar:
             # the "data" filter (3.10.12+) refuses links and paths that leave the folder

@@ -32,8 +32,8 @@ from patchset import PatchsetError
 from patchset.feature_request import request_url
 from patchset.fork_metadata import fork_url
 from patchset.gitops import git
-from patchset.materialize import overlay_files
-from patchset.series import Patch, issue_lines, issue_refs
+from patchset.overlay import overlay_files
+from patchset.series import Patch, find_patch, issue_lines, issue_refs
 from patchset.upstream_record import PAGE, RUNS, TITLES, blob_hash, caused_count, sections
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
@@ -198,8 +198,6 @@ def answers(project: Path, patch: Patch) -> list[tuple[re.Pattern[str], Answer]]
 
 def pr_description(project: Path, ref: str, onto: Path, base: str) -> str:
     """The PR description of patch ``ref``: upstream's template at ``base`` in ``onto``, every item answered."""
-    from patchset.upstream_pr import find_patch
-
     patch = find_patch(project, ref)
     return fill_template(read_template(onto, base), project, patch)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import git, out
-from patchset.materialize import BASE_TAG, materialize_workspace, write_version
+from patchset.materialize import BASE_TAG, write_version
 from patchset.pin import (
     Pin,
     ReleaseNotFoundError,
@@ -19,6 +19,7 @@ from patchset.pin import (
     read_pin,
     write_pin,
 )
+from patchset.workspace import materialize_workspace
 
 PREVIOUS_TAG = "upstream-previous"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.build_label import build_pin
+from patchset.check import check
 from patchset.gitops import git, is_clean, out
 from patchset.pin import PIN_FILE, read_pin, write_pin
 
@@ -64,8 +65,6 @@ def release(project: Path, date: str | None = None) -> Release:
     Refuses a checkout with uncommitted changes, a tag that exists already, a series that ``check`` rejects, and a
     CHANGELOG with nothing under ``[Unreleased]``. Commits and tags as your git identity.
     """
-    from patchset.check import check
-
     if date is not None and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
         raise PatchsetError(f"--date {date!r}: expected YYYY-MM-DD")
     if not (project / ".git").exists():

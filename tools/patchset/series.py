@@ -161,16 +161,46 @@ def _mail_headers(head: str) -> dict[str, str]:
     return headers
 
 
+def series_entries(text: str) -> list[tuple[int, str]]:
+    """The patch file names a series file lists, with their line numbers (one a line; ``#`` starts a comment)."""
+    entries = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        name = raw.split("#", 1)[0].strip()
+        if name:
+            entries.append((lineno, name))
+    return entries
+
+
+def series_files(patches_dir: Path) -> dict[str, bytes]:
+    """The series file and every patch it names, by name (missing patches are left out)."""
+    series = patches_dir / SERIES_FILE.name
+    if not series.is_file():
+        return {}
+    files = {SERIES_FILE.name: series.read_bytes()}
+    for _, name in series_entries(series.read_text(encoding="utf-8")):
+        if (patches_dir / name).is_file():
+            files[name] = (patches_dir / name).read_bytes()
+    return files
+
+
+def find_patch(project: Path, ref: str) -> Patch:
+    """A patch of the series by file name, by path, or by its leading number (``2`` or ``0002``)."""
+    patches = read_series(project)
+    for patch in patches:
+        if ref in (patch.name, str(patch.path)) or Path(ref).name == patch.name:
+            return patch
+        if ref.isdigit() and patch.name.startswith(f"{int(ref):04d}-"):
+            return patch
+    raise PatchsetError(f"{ref}: no such patch in patches/series ({', '.join(p.name for p in patches)})")
+
+
 def read_series(project: Path) -> list[Patch]:
     """The patches named in ``patches/series``, in order (one file name a line, ``#`` comments)."""
     series = project / SERIES_FILE
     if not series.is_file():
         raise PatchsetError(f"{series}: the series (order) file is missing")
     patches = []
-    for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), 1):
-        name = raw.split("#", 1)[0].strip()
-        if not name:
-            continue
+    for lineno, name in series_entries(series.read_text(encoding="utf-8")):
         path = series.parent / name
         if not path.is_file():
             raise PatchsetError(f"{series}:{lineno}: names {name}, which is not in patches/")

@@ -7,24 +7,14 @@ import shutil
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import am, git, git_path, in_progress, is_clean, out
-from patchset.materialize import overlay_files
-from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, issue_lines, read_series
+from patchset.gitops import am, check_checkout, current_branch, default_branch, git, git_path, is_clean, out
+from patchset.lint import placeholder_author
+from patchset.overlay import overlay_files
+from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, find_patch, issue_lines
 
 # where upstream-pr records the commit each PR branch started from
 START_REFS = "refs/patchset-start/"
 CHANGELOG_PATHS = {"fabric": "src/lightning/fabric/CHANGELOG.md", "pytorch": "src/lightning/pytorch/CHANGELOG.md"}
-
-
-def find_patch(project: Path, ref: str) -> Patch:
-    """A patch of the series by file name, by path, or by its leading number (``2`` or ``0002``)."""
-    patches = read_series(project)
-    for patch in patches:
-        if ref in (patch.name, str(patch.path)) or Path(ref).name == patch.name:
-            return patch
-        if ref.isdigit() and patch.name.startswith(f"{int(ref):04d}-"):
-            return patch
-    raise PatchsetError(f"{ref}: no such patch in patches/series ({', '.join(p.name for p in patches)})")
 
 
 def insert_changelog(text: str, entry: ChangelogEntry) -> str:
@@ -71,17 +61,6 @@ def _clean_message(message: str) -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
-def check_checkout(onto: Path) -> None:
-    """Refuse a checkout that is not a git checkout, has uncommitted changes, or has someone's operation paused."""
-    if not (onto / ".git").exists():
-        raise PatchsetError(f"{onto}: not a git checkout of upstream Lightning")
-    operation = in_progress(onto, isolated=False)
-    if operation:
-        raise PatchsetError(f"{onto} is in the middle of {operation}: finish or abort it first")
-    if not is_clean(onto, isolated=False):
-        raise PatchsetError(f"{onto}: the checkout has uncommitted changes; commit or stash them first")
-
-
 def _checked_out_elsewhere(onto: Path, branch: str) -> str | None:
     """The other worktree that has ``branch`` checked out, if any."""
     here = Path(out(onto, "rev-parse", "--show-toplevel", isolated=False)).resolve()
@@ -94,17 +73,6 @@ def _checked_out_elsewhere(onto: Path, branch: str) -> str | None:
     return None
 
 
-def default_branch(checkout: Path) -> str:
-    """Upstream's default branch in ``checkout``: what ``origin/HEAD`` names, else a local ``master`` or ``main``."""
-    proc = git(checkout, "symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD", check=False, isolated=False)
-    if proc.returncode == 0 and proc.stdout.strip():
-        return proc.stdout.decode().strip()
-    for name in ("master", "main"):
-        if git(checkout, "rev-parse", "--verify", "--quiet", f"refs/heads/{name}", check=False).returncode == 0:
-            return name
-    raise PatchsetError(f"{checkout}: no origin/HEAD, master or main; name the base branch with --base")
-
-
 def default_base(project: Path, patch: Patch, onto: Path) -> str:
     """Where a patch's PR branch starts: the PR branch of the patch it ``Depends-On``, else upstream's default."""
     depends = patch.field("Depends-On")
@@ -114,12 +82,6 @@ def default_base(project: Path, patch: Patch, onto: Path) -> str:
 def branch_name(patch: Patch) -> str:
     """The default PR branch of a patch: ``patchset/<subject slug>``."""
     return "patchset/" + patch.name.removesuffix(".patch").split("-", 1)[-1]
-
-
-def _head(onto: Path) -> str:
-    """The checked-out branch, or the commit when HEAD is detached."""
-    proc = git(onto, "symbolic-ref", "--quiet", "--short", "HEAD", check=False, isolated=False)
-    return proc.stdout.decode().strip() if proc.returncode == 0 else out(onto, "rev-parse", "HEAD", isolated=False)
 
 
 def _restore(onto: Path, original: str, branch: str, previous: str | None) -> str | None:
@@ -139,8 +101,8 @@ def _restore(onto: Path, original: str, branch: str, previous: str | None) -> st
     git(onto, "checkout", "-q", original, check=False, isolated=False)
     if git_path(onto, "rebase-apply", isolated=False).exists():
         left.append("a `git am` session is still open")
-    if _head(onto) != original:
-        left.append(f"HEAD is {_head(onto)}, not {original}")
+    if current_branch(onto) != original:
+        left.append(f"HEAD is {current_branch(onto)}, not {original}")
     if not is_clean(onto, isolated=False):
         left.append("the work tree has changes")
     return "; ".join(left) or None
@@ -163,8 +125,6 @@ def upstream_pr(
     ``author``. On failure the checkout is put back as it was and verified clean. Returns the branch name; with
     ``out_dir``, also writes the commit as a ``git format-patch`` file there.
     """
-    from patchset.lint import placeholder_author
-
     patch = find_patch(project, ref)
     if not patch.upstreamable:
         raise PatchsetError(f"{patch.name} is fork packaging (Forwarded: not-needed); it has no upstream PR")
@@ -188,7 +148,7 @@ def upstream_pr(
     elsewhere = _checked_out_elsewhere(onto, branch)
     if elsewhere:
         raise PatchsetError(f"{branch} is checked out in the worktree {elsewhere}; switch it to another branch first")
-    original = _head(onto)
+    original = current_branch(onto)
     previous = out(onto, "rev-parse", branch, isolated=False) if exists else None
     start = out(onto, "rev-parse", f"{base}^{{commit}}", isolated=False)
     git(onto, "checkout", "-q", "-B" if force else "-b", branch, start, isolated=False)

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git, out
+from patchset.gitops import check_checkout, current_branch, git, out
 from patchset.pin import cache_dir
-from patchset.series import Patch
+from patchset.series import Patch, find_patch
 from patchset.upstream_checks import Finding, python_files, run_mypy, run_ruff
 from patchset.upstream_ci import mypy_job, oldest_filterwarnings, oldest_job, ruff_version
 from patchset.upstream_envs import (
@@ -39,7 +39,7 @@ from patchset.upstream_envs import (
     python_version,
     ruff_environment,
 )
-from patchset.upstream_pr import _head, check_checkout, default_base, find_patch, upstream_pr
+from patchset.upstream_pr import default_base, upstream_pr
 from patchset.upstream_record import (
     RUNS,
     CheckRecord,
@@ -230,7 +230,7 @@ def run_upstream_tests(
     ready = dict(interpreters or {})
     if python:
         ready["newest"] = Path(python)
-    original = _head(onto)
+    original = current_branch(onto)
     branch = upstream_pr(project, ref, onto, base=base, force=True, author=author)
     start_commit = out(onto, "rev-parse", f"{branch}~1", isolated=False)
     base = base or default_base(project, patch, onto)
