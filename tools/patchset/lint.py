@@ -9,7 +9,7 @@ from pathlib import Path
 from patchset import PatchsetError
 from patchset.pin import PIN_FILE
 from patchset.sections import split_patch
-from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, read_series, series_entries
+from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, field_lines, read_series, series_entries
 
 # DEP-3: `Forwarded` is `no`, `not-needed` or where the patch was sent; `Applied-Upstream` appears only once the patch
 # is applied upstream, and names the version, the URL or the commit that has it.
@@ -106,14 +106,11 @@ def _fields(patch: Patch) -> list[str]:
         key = _FIELD_LIKE.match(line)
         if key and key.group(1).strip().lower() in _KNOWN_LOWER:
             problems.append(f"the field line {line.strip()!r} is not in the last paragraph, where fields go")
-    fields = paragraphs[-1].splitlines()
-    for line in fields if any(_FIELD_LIKE.match(line) for line in fields) else []:
-        if line[:1] in (" ", "\t"):
-            continue  # a folded field continues
-        match = re.match(r"([A-Za-z][A-Za-z-]*): \S", line)
-        if not match or match.group(1) not in KNOWN_FIELDS:
+    last = paragraphs[-1]
+    for entry in field_lines(last) if any(_FIELD_LIKE.match(line) for line in last.splitlines()) else []:
+        if entry.key not in KNOWN_FIELDS or not entry.value:
             problems.append(
-                f"{line.strip()!r} is not a `Key: value` field with a known key ({', '.join(KNOWN_FIELDS)})"
+                f"{entry.lines[0].strip()!r} is not a `Key: value` field with a known key ({', '.join(KNOWN_FIELDS)})"
             )
     if len(patch.trailers.get("Forwarded", [])) != 1:
         problems.append("needs exactly one `Forwarded:` field (`no`, `not-needed` or the PR's URL)")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import email.header
+import email.parser
+import email.policy
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -44,6 +45,34 @@ def issue_lines(fields: dict[str, list[str]]) -> list[str]:
 
 
 _CHANGELOG = re.compile(r"^(fabric|pytorch) (" + "|".join(CHANGELOG_SECTIONS) + r"): (.+)$")
+
+
+@dataclass
+class FieldLine:
+    """A line of a message's last paragraph and its folded continuation lines; ``key`` is ``None`` for a non-field."""
+
+    key: str | None
+    value: str
+    lines: list[str]
+
+
+_FIELD_KEY = re.compile(r"[A-Za-z][A-Za-z-]*")
+
+
+def field_lines(paragraph: str) -> list[FieldLine]:
+    """The lines of a paragraph as fields: ``Key: value``, continued by lines that start with a space or a tab."""
+    found: list[FieldLine] = []
+    for line in paragraph.splitlines():
+        if line[:1] in (" ", "\t") and found and found[-1].key is not None:
+            found[-1].value += " " + line.strip()
+            found[-1].lines.append(line)
+            continue
+        key, sep, value = line.partition(": ")
+        if sep and _FIELD_KEY.fullmatch(key):
+            found.append(FieldLine(key, value.strip(), [line]))
+        else:
+            found.append(FieldLine(None, line, [line]))
+    return found
 
 
 @dataclass(frozen=True)
@@ -110,55 +139,25 @@ class Patch:
         return entries
 
 
-def _decode_header(raw: str) -> str:
-    parts = email.header.decode_header(raw)
-    return "".join(p.decode(enc or "utf-8") if isinstance(p, bytes) else p for p, enc in parts)
-
-
-def _decode_subject(raw: str) -> str:
-    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", _decode_header(raw))
-
-
 def parse_patch(path: Path) -> Patch:
     """Read a ``git format-patch`` mbox: its subject and the ``Key: value`` trailers of its message."""
     text = path.read_text(encoding="utf-8")
     head, sep, rest = text.partition("\n\n")
     if not sep:
         raise PatchsetError(f"{path.name}: not a git format-patch file (no header block)")
-    headers = _mail_headers(head)
-    if "Subject" not in headers:
+    headers = email.parser.HeaderParser(policy=email.policy.default).parsestr(head)
+    if headers["Subject"] is None:
         raise PatchsetError(f"{path.name}: no Subject header")
     message = re.split(r"\n---\n|\ndiff --git ", "\n" + rest, maxsplit=1)[0]
     trailers: dict[str, list[str]] = {}
     # Trailers are the last paragraph of the message; the paragraphs before it describe the patch.
     paragraphs = message.strip().split("\n\n")
-    last_paragraph = paragraphs[-1]
-    last_key = None
-    for line in last_paragraph.splitlines():
-        key, sep, value = line.partition(": ")
-        if sep and re.fullmatch(r"[A-Za-z][A-Za-z-]*", key):
-            trailers.setdefault(key, []).append(value.strip())
-            last_key = key
-        elif line[:1] in (" ", "\t") and last_key:  # a folded trailer continues the previous value
-            trailers[last_key][-1] += " " + line.strip()
+    for line in field_lines(paragraphs[-1]):
+        if line.key is not None:
+            trailers.setdefault(line.key, []).append(line.value)
     description = "\n\n".join(paragraphs[:-1] if trailers else paragraphs).strip()
-    author = _decode_header(headers.get("From", ""))
-    return Patch(path, _decode_subject(headers["Subject"]), trailers, author, description, message.strip())
-
-
-def _mail_headers(head: str) -> dict[str, str]:
-    """The mail header block as a dict, folded lines unfolded."""
-    headers: dict[str, str] = {}
-    key = None
-    for line in head.splitlines():
-        if line[:1] in (" ", "\t") and key:
-            headers[key] += " " + line.strip()
-            continue
-        name, sep, value = line.partition(":")
-        if sep and " " not in name:
-            key = name
-            headers[key] = value.strip()
-    return headers
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", str(headers["Subject"]))
+    return Patch(path, subject, trailers, str(headers["From"] or ""), description, message.strip())
 
 
 def series_entries(text: str) -> list[tuple[int, str]]:

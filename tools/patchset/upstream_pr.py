@@ -10,7 +10,7 @@ from patchset import PatchsetError
 from patchset.gitops import am, check_checkout, current_branch, default_branch, git, git_path, is_clean, out
 from patchset.lint import placeholder_author
 from patchset.overlay import overlay_files
-from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, find_patch, issue_lines
+from patchset.series import FORK_TRAILERS, ChangelogEntry, Patch, field_lines, find_patch, issue_lines
 
 # where upstream-pr records the commit each PR branch started from
 START_REFS = "refs/patchset-start/"
@@ -44,18 +44,13 @@ def insert_changelog(text: str, entry: ChangelogEntry) -> str:
 def _clean_message(message: str) -> str:
     """The commit message upstream sees: fork-only fields removed, the issue it fixes referenced."""
     paragraphs = message.strip().split("\n\n")
-    kept, dropping = [], False
+    kept: list[str] = []
     fields: dict[str, list[str]] = {}
-    for line in paragraphs[-1].splitlines():
-        key, sep, value = line.partition(": ")
-        if sep and key in FORK_TRAILERS:
-            dropping = True
-            fields.setdefault(key, []).append(value)
-        elif line[:1] in (" ", "\t") and dropping:
-            continue  # the folded continuation of a dropped field
+    for line in field_lines(paragraphs[-1]):
+        if line.key in FORK_TRAILERS:
+            fields.setdefault(line.key, []).append(line.value)
         else:
-            dropping = False
-            kept.append(line)
+            kept += line.lines
     kept += issue_lines(fields)
     paragraphs = paragraphs[:-1] + (["\n".join(kept)] if kept else [])
     return "\n\n".join(paragraphs) + "\n"
