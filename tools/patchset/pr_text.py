@@ -33,6 +33,7 @@ from patchset.feature_request import request_url
 from patchset.fork_metadata import fork_url
 from patchset.gitops import git
 from patchset.overlay import overlay_files
+from patchset.sections import split_patch
 from patchset.series import Patch, find_patch, issue_lines, issue_refs
 from patchset.upstream_record import PAGE, RUNS, TITLES, blob_hash, caused_count, sections
 
@@ -61,7 +62,7 @@ def read_template(onto: Path, base: str) -> str:
 
 def patch_files(project: Path, patch: Patch) -> list[str]:
     """The upstream files the patch changes and the new files it owns."""
-    changed = re.findall(r"^diff --git a/(\S+) b/", patch.path.read_text(encoding="utf-8"), flags=re.M)
+    changed = [section.path for section in split_patch(patch.path.read_bytes())[1]]
     return sorted({*changed, *(f for f in overlay_files(project) if patch.owns(f))})
 
 

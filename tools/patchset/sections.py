@@ -20,7 +20,6 @@ from patchset.gitops import git
 # the workspace sets ``notes.rewriteRef`` to it.
 NOTES_REF = "refs/notes/patchset-upstream-only"
 _SECTION = re.compile(rb"(?m)^diff --git ")
-_QUOTED = re.compile(rb'^diff --git "a/((?:[^"\\]|\\.)*)" "b/((?:[^"\\]|\\.)*)"\n')
 _GLOB_SPECIAL = re.compile(r"[*?\[\\]")
 
 
@@ -45,55 +44,24 @@ def split_patch(data: bytes) -> tuple[bytes, list[Section]]:
         return data, []
     head, body = data[: match.start()], data[match.start() :]
     starts = [m.start() for m in _SECTION.finditer(body)] + [len(body)]
-    sections = []
-    for begin, end in itertools.pairwise(starts):
-        text = body[begin:end]
-        sections.append(Section(_header_path(text.split(b"\n", 1)[0] + b"\n"), text))
-    return head, sections
+    paths = section_paths(body)
+    if len(paths) != len(starts) - 1:
+        raise PatchsetError(f"git reads {len(paths)} files in a patch of {len(starts) - 1} `diff --git` sections")
+    return head, [Section(path, body[a:b]) for path, (a, b) in zip(paths, itertools.pairwise(starts), strict=True)]
 
 
-def _header_path(header: bytes) -> str:
-    """The file a ``diff --git a/P b/P`` header names (no renames: both sides are the same path).
-
-    Git quotes a path with unusual bytes C-style (with octal escapes); a plain one may contain `` b/`` itself,
-    so it is taken as the first half of what follows ``a/``.
-    """
-    quoted = _QUOTED.match(header)
-    if quoted:
-        return _unquote(quoted.group(2)).decode("utf-8", errors="surrogateescape")
-    rest = header.removeprefix(b"diff --git a/").rstrip(b"\n")
-    size = (len(rest) - len(b" b/")) // 2
-    if not header.startswith(b"diff --git a/") or rest[size : size + 3] != b" b/" or rest[:size] != rest[size + 3 :]:
-        raise PatchsetError(f"unreadable diff header (renames are not supported): {header!r}")
-    return rest[:size].decode("utf-8", errors="surrogateescape")
-
-
-def _unquote(text: bytes) -> bytes:
-    """Undo git's C-style quoting of a path."""
-    escapes = {
-        b"n": b"\n",
-        b"t": b"\t",
-        b'"': b'"',
-        b"\\": b"\\",
-        b"a": b"\a",
-        b"b": b"\b",
-        b"f": b"\f",
-        b"v": b"\v",
-        b"r": b"\r",
-    }
-    out, i = bytearray(), 0
-    while i < len(text):
-        if text[i : i + 1] == b"\\":
-            if text[i + 1 : i + 2].isdigit():
-                out.append(int(text[i + 1 : i + 4], 8))
-                i += 4
-                continue
-            out += escapes.get(text[i + 1 : i + 2], text[i + 1 : i + 2])
-            i += 2
-            continue
-        out += text[i : i + 1]
-        i += 1
-    return bytes(out)
+def section_paths(patch: bytes) -> list[str]:
+    """The file each section of ``patch`` changes, in order, as ``git apply --numstat -z`` reads them (unquoted)."""
+    proc = git(Path("/"), "apply", "--numstat", "-z", "-", input=patch, check=False)
+    if proc.returncode != 0:
+        raise PatchsetError(f"git cannot read the patch: {proc.stderr.decode(errors='replace').strip()}")
+    paths = []
+    for record in proc.stdout.split(b"\0")[:-1]:
+        path = record.split(b"\t", 2)[-1]
+        if not path:  # -z gives a rename's two paths as records of their own
+            raise PatchsetError("the patch renames a file, which the series does not support")
+        paths.append(path.decode("utf-8", errors="surrogateescape"))
+    return paths
 
 
 def join_patch(head: bytes, sections: list[Section]) -> bytes:
