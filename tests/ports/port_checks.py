@@ -24,16 +24,6 @@ def held_here(port: int) -> bool:
     return False
 
 
-def plain_bind_succeeds(port: int) -> bool:
-    """Whether a socket without ``SO_REUSEADDR`` can bind ``port``: false while anyone holds it."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port() -> int:
     """A port no socket is bound to right now, for a test that sets ``MASTER_PORT`` itself."""
     with socket.socket() as sock:

@@ -4,7 +4,7 @@ spawn launchers' ``MASTER_PORT``, other processes of the machine.
 The pull request's tests are its unit tests of ``_ReservedPort`` (``tests_fabric/utilities/test_reserved_port.py``,
 which this suite runs too) and the tests it adds to upstream's own test files, which the release's sdist does not ship
 (they run in the records of ``docs/upstream-tests.md``). Fabric runs and a Trainer sweep, in subprocesses, are in
-``test_port_hold_fabric_runs.py`` and ``test_port_hold_trainer_sweep.py``.
+``test_port_hold_runs.py``.
 
 """
 
@@ -17,13 +17,14 @@ import warnings
 
 import pytest
 import torch.distributed
-from port_checks import held_here, plain_bind_succeeds
+from port_checks import held_here
 
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.strategies.launchers.multiprocessing import _launching_on_port
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from tests_fabric.helpers.runif import RunIf
+from tests_fabric.utilities.test_reserved_port import _can_bind
 
 
 @pytest.fixture
@@ -40,10 +41,10 @@ def test_picked_port_is_held_until_teardown(env):
     port = env.main_port
     assert env.main_port == port
     assert held_here(port)
-    assert not plain_bind_succeeds(port)
+    assert not _can_bind(port)
     env.teardown()
     assert not held_here(port)
-    assert plain_bind_succeeds(port)
+    assert _can_bind(port)
     assert env.main_port == port
 
 
@@ -61,7 +62,7 @@ def test_the_process_group_releases_the_port_once_its_store_is_up(env):
     finally:
         torch.distributed.destroy_process_group()
         other.teardown()
-    assert plain_bind_succeeds(port)
+    assert _can_bind(port)
 
 
 @RunIf(linux_only=True)
@@ -71,7 +72,7 @@ def test_a_process_group_that_fails_to_start_releases_the_port(env):
     with pytest.raises(Exception, match=r"(?i)not-a-backend"):  # torch 2.1 names it in upper case
         _init_dist_connection(env, "not-a-backend", global_rank=0, world_size=1)
     assert not held_here(port)
-    assert plain_bind_succeeds(port)
+    assert _can_bind(port)
 
 
 @pytest.mark.slow  # a second interpreter picks 500 ports
@@ -109,7 +110,7 @@ def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
 
 def test_find_free_network_port_holds_nothing():
     """Holding it would make callers that bind the number without ``SO_REUSEADDR`` fail: it stays as it was."""
-    assert plain_bind_succeeds(find_free_network_port())
+    assert _can_bind(find_free_network_port())
 
 
 @RunIf(linux_only=True)
