@@ -6,10 +6,10 @@ what ``export`` writes back to ``patches/``.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +21,9 @@ from patchset.gitops import git, in_progress, out
 from patchset.materialize import BASE_TAG, make_workspace
 from patchset.sections import join_patch, read_note, split_patch
 from patchset.series import SERIES_FILE, series_files
+
+if sys.platform != "win32":
+    import fcntl
 
 WORKSPACE = Path(".work") / "tree"
 SERIES = SERIES_FILE.name
@@ -180,7 +183,10 @@ def keep_previous_tree(project: Path) -> Path | None:
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """One materialize at a time per checkout (POSIX ``flock``; the tool runs on Linux and macOS)."""
+    """One materialize at a time per checkout (POSIX ``flock``; on Windows, no lock)."""
+    if sys.platform == "win32":  # pragma: no cover - Windows
+        yield
+        return
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
