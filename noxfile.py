@@ -19,13 +19,30 @@ from there instead.
 
 from __future__ import annotations
 
+import argparse
+import ast
+import datetime as dt
+import json
 import os
+import platform
 import re
+import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nox
+import tomllib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # the patch set's tool: standard library only
+from patchset import PatchsetError, records
+from patchset.build_label import build_pin
+from patchset.gitops import check_checkout, current_branch, git, out
+from patchset.pin import read_pin
+from patchset.series import Patch, find_patch
+from patchset.upstream_pr import default_base, upstream_pr
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests(torch='2.13.0')"]
@@ -65,12 +82,6 @@ print(f"torch {torch.__version__}, lightning {lightning.__version__} from {root}
 
 def _fork_version() -> str:
     """What this checkout builds (``2.6.6+patchset.N``), from its pin (read by the tool's own parser)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from patchset.build_label import build_pin
-        from patchset.pin import read_pin
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
     return build_pin(ROOT, read_pin(ROOT)).fork_version
 
 
@@ -98,11 +109,10 @@ def _wheel_bytes(wheelhouse: Path) -> int:
 
 def _install_fork(session: nox.Session, torch: str) -> Path:
     """Torch, the test requirements, the fork (``pip install .``), no unpatched copy; returns the constraints file."""
-    # the recorder reports the session's wall time (install included) and what this session downloaded
+    # the record names the session's wall time (install included), what it downloaded, and the commit it built (the
+    # checkout may move on while the suite runs)
     session.env["TORCH_MATRIX_SESSION_START"] = repr(time.time())
-    # the commit the fork is built from, recorded with the result (the checkout may move on while the suite runs)
-    commit = session.run("python", ".ci/torch_matrix.py", "commit", silent=True)
-    session.env["TORCH_MATRIX_COMMIT"] = commit.strip() if isinstance(commit, str) else ""
+    session.env["TORCH_MATRIX_COMMIT"] = records.checkout_commit(ROOT)
     session.run("python", "-m", "pip", "install", "--quiet", "--upgrade", "pip", silent=True)
     constraints = Path(session.create_tmp()) / "constraints.txt"
     pins = [f"torch=={torch}"] + (["numpy<2"] if _needs_numpy_1(torch) else [])
@@ -125,18 +135,49 @@ def _install_fork(session: nox.Session, torch: str) -> Path:
     return constraints
 
 
+PROBE = "import sys, torch; print(torch.__version__, sys.version.split()[0])"
+
+
 def _check_and_test(session: nox.Session, torch: str, kind: str) -> None:
+    """The test command with a JUnit XML report; a whole run is recorded in docs/records/torch-matrix.json."""
     session.run("python", "-c", CHECK_INSTALL, torch, _fork_version())
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
-    logs = ROOT / ".nox" / "torch-matrix-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    record = ["python", ".ci/torch_matrix.py", "record", "--kind", kind, "--session", session.name, "--torch", torch]
-    record += ["--log", str(logs / f"{kind}-{torch}.log"), "--commit", session.env.get("TORCH_MATRIX_COMMIT") or ""]
-    if session.posargs:  # a subset of the suite: run it, but keep it out of the table
-        record.append("--no-record")
+    tmp = Path(session.create_tmp())
+    report = tmp / "junit.xml"
+    command = [*TEST_COMMAND, *session.posargs]
+    started = time.monotonic()
     # the session's own coverage data file: the repository root stays clean and cells can run side by side
-    coverage_file = Path(session.create_tmp()) / ".coverage"
-    session.run(*record, "--", *TEST_COMMAND, *session.posargs, env={"COVERAGE_FILE": str(coverage_file)})
+    try:
+        session.run(*command, f"--junitxml={report}", env={"COVERAGE_FILE": str(tmp / ".coverage")})
+        code = 0
+    except nox.command.CommandFailed:
+        code = 1
+    cases = list(records.read_junit(report, ROOT).values())
+    torch_version, python = str(session.run("python", "-c", PROBE, silent=True)).split()
+    if session.posargs:  # a subset of the suite: run, but kept out of the table
+        session.log("a subset of the suite: not recorded")
+    else:
+        records.add(ROOT, "torch-matrix", {
+            "key": f"{kind}:{torch}:py{'.'.join(python.split('.')[:2])}:{platform.system()}",
+            "kind": kind, "session": session.name, "torch_requested": torch, "torch": torch_version, "python": python,
+            "platform": f"{platform.system()} {platform.machine()}", "commit": session.env["TORCH_MATRIX_COMMIT"],
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "duration_s": round(time.monotonic() - started, 1),
+            "wall_s": round(time.time() - float(session.env["TORCH_MATRIX_SESSION_START"]), 1),
+            "downloaded_bytes": int(session.env["TORCH_MATRIX_DOWNLOADED"]), "exit_code": code,
+            "counts": records.counts(cases), "failures": records.attribute(cases, []), "command": " ".join(command),
+        })  # fmt: skip
+    if code:
+        session.error(f"the test command failed: {records.counts(cases)}")
+
+
+OLDEST_REQUIREMENTS = """
+import importlib.metadata, re
+for req in importlib.metadata.requires("lightning") or []:
+    low = re.match(r"([A-Za-z0-9_.-]+)(\\[[^]]*\\])?[^;]*?>=\\s*([\\w.]+)[^;]*$", req)  # with a marker: an extra's
+    if low and low.group(1).lower() != "torch":  # the session pins torch itself
+        print(f"{low.group(1)}{low.group(2) or ''}=={low.group(3)}")
+"""
 
 
 @nox.session
@@ -151,25 +192,18 @@ def tests(session: nox.Session, torch: str) -> None:
 def oldest(session: nox.Session) -> None:
     """The oldest torch with the lowest versions of lightning's requirements that the fork declares."""
     constraints = _install_fork(session, OLDEST)
-    lowest = session.run("python", ".ci/torch_matrix.py", "oldest-requirements", silent=True)
-    assert isinstance(lowest, str)
-    session.log("lowest requirements: " + " ".join(lowest.split()))
+    lowest = str(session.run("python", "-c", OLDEST_REQUIREMENTS, silent=True)).split()
+    session.log("lowest requirements: " + " ".join(lowest))
     # the lowest versions join the constraints and the test requirements are resolved again against them: installed
     # over the newest, they left pytest 9 with packaging 23.0, below what it requires, and pkg_resources (which
     # lightning-utilities 0.10 asks) then denied that pytest-rerunfailures was installed at all
     with constraints.open("a", encoding="utf-8") as f:
-        f.write("".join(re.sub(r"\[[^\]]*\]", "", req) + "\n" for req in lowest.split()))  # no extras in constraints
+        f.write("".join(re.sub(r"\[[^\]]*\]", "", req) + "\n" for req in lowest))  # no extras in constraints
     # the fork too, so that its other requirements (torchmetrics needs a newer lightning-utilities) are resolved again
-    session.install("-r", "tests/requirements.txt", ".", *lowest.split(), "-c", str(constraints))
+    session.install("-r", "tests/requirements.txt", ".", *lowest, "-c", str(constraints))
     session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
     session.run("python", "-m", "pip", "check")  # every installed distribution's requirements hold
     _check_and_test(session, OLDEST, "oldest")
-
-
-@nox.session(venv_backend="none")
-def matrix_table(session: nox.Session) -> None:
-    """Rewrite docs/torch-matrix.md from the results it holds (no test run)."""
-    session.run("python", ".ci/torch_matrix.py", "render")
 
 
 # What the lint session installs: the linters (newest, as ci-checks.yml always took them) and, for type-checking our
@@ -209,3 +243,254 @@ def lint(session: nox.Session) -> None:
     session.install(".")
     session.run("python", "-m", "pip", "uninstall", "--yes", *UNPATCHED)
     session.run("python", "-c", MYPY_OUR_MODULES, str(Path(session.create_tmp()) / "tree"), env=tools)
+
+
+# Upstream's CI jobs on a patch's pull request, a session each: `nox -s upstream_newest -- 0002 --onto <checkout>`.
+# Each makes the PR branch with the tool's upstream-pr, installs as upstream's CI does (read from the checkout's own
+# workflows), runs the job on the branch, then on its base without the patch, and records both from JUnit XML in
+# docs/records/upstream-tests.json. A failure on the branch that the base does not share is caused by the patch.
+SELECTIONS = {  # what each kind of patch runs: the CPU suite of fabric; the parts of pytorch checkpointing touches
+    "fabric": ["tests/tests_fabric"],
+    "pytorch": [f"tests/tests_pytorch/{d}" for d in ("checkpointing", "callbacks", "trainer/connectors", "core")]
+    + ["tests/tests_pytorch/loops", "tests/tests_pytorch/trainer/optimization"],
+}
+EXTRAS = {"fabric": ["fabric-test"], "pytorch": ["pytorch-extra", "pytorch-test"]}  # upstream's, less CUDA-only ones
+CI_ENV = {"PACKAGE_NAME": "lightning", "FREEZE_REQUIREMENTS": "1"}  # as upstream's CI installs on a pull request
+# pytest with the default signal handlers, which a CI runner or a background shell may have changed (tests expect them)
+PYTEST = """import signal, sys, pytest
+for name in ("SIGHUP", "SIGINT", "SIGTERM", "SIGUSR1"):
+    signal.signal(getattr(signal, name), signal.SIG_DFL)
+sys.exit(pytest.main(sys.argv[1:]))"""
+PYTEST_OPTIONS = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout=300", "-o", "junit_family=xunit1"]
+PYTEST_OPTIONS += ["-W", "ignore::DeprecationWarning"]
+Cases = dict[str, records.Case]
+
+
+def upstream_context(onto: Path, start: str, base: str) -> dict[str, Any]:
+    """Where the PR branch starts: the newest commit a remote of ``onto`` has, and each local commit on it, described.
+
+    A checkout without remote-tracking branches cannot tell: ``start`` itself, said to be unchecked.
+    """
+    if not out(onto, "for-each-ref", "--count=1", "refs/remotes", isolated=False):
+        local, described = [], ["not checked: the checkout has no remote to compare with"]
+    else:
+        local, described = out(onto, "rev-list", "--reverse", start, "--not", "--remotes", isolated=False).split(), []
+    for sha in local:
+        changes = out(onto, "diff-tree", "--no-commit-id", "--name-status", "-r", sha, isolated=False).splitlines()
+        deleted = [line.split("\t", 1)[1] for line in changes if line.startswith("D\t")]
+        if base.startswith("patchset/") and sha == start:
+            described.append(f"`{sha[:12]}` the PR branch `{base}`")
+        elif changes and len(deleted) == len(changes):
+            described.append(f"`{sha[:12]}` deletes {', '.join(f'`{path}`' for path in deleted)}, nothing else")
+        else:
+            subject = out(onto, "log", "-1", "--format=%s", sha, isolated=False)
+            described.append(f"`{sha[:12]}` {subject} ({len(changes)} files changed)")
+    upstream = out(onto, "rev-parse", f"{local[0]}^", isolated=False) if local else start
+    subject = out(onto, "log", "-1", "--format=%s", upstream, isolated=False)
+    return {"upstream": upstream, "upstream_subject": subject, "local_commits": described}
+
+
+class Upstream:
+    """One upstream job's run: the patch, the checkout, its PR branch and where the branch starts."""
+
+    def __init__(self, session: nox.Session, job: str) -> None:
+        parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --")
+        parser.add_argument("patch", help="patch file name or number, e.g. 0002")
+        parser.add_argument("--onto", type=Path, required=True, help="an upstream Lightning git checkout")
+        parser.add_argument("--base", help="as upstream-pr --base")
+        parser.add_argument("--author", help="as upstream-pr --author")
+        parser.add_argument("--torch", help="newest: this torch release instead of the newest allowed")
+        parser.add_argument("--select", nargs="+", help="test paths or node ids instead of the patch's selection")
+        what = "tests: on the base, the whole selection or what failed on the branch (default)"
+        parser.add_argument("--base-runs", choices=["all", "failures"], default="failures", help=what)
+        self.args, self.session, self.job = parser.parse_args(session.posargs), session, job
+        self.onto: Path = self.args.onto.resolve()
+        try:
+            self.patch: Patch = find_patch(ROOT, self.args.patch)
+            check_checkout(self.onto)
+            self.original = current_branch(self.onto)
+            self.base = self.args.base or default_base(ROOT, self.patch, self.onto)
+            self.branch = upstream_pr(
+                ROOT, self.args.patch, self.onto, base=self.base, force=True, author=self.args.author
+            )
+        except PatchsetError as err:
+            session.error(str(err))
+        self.start = out(self.onto, "rev-parse", f"{self.branch}~1", isolated=False)
+        prefix = self.patch.subject.split(":", 1)[0].strip()  # a fabric change with a Trainer entry runs fabric's jobs
+        self.package = prefix if prefix in SELECTIONS else next(iter({e.package for e in self.patch.changelog}))
+        self.selection = self.args.select or SELECTIONS[self.package]
+        self.reports = Path(session.create_tmp()).resolve()  # relative to the directory nox started in
+        self.started = time.monotonic()
+        session.chdir(self.onto)
+        git(self.onto, "checkout", "-q", "--force", self.branch, isolated=False)  # the install reads the branch
+
+    def read(self, rel: str) -> Any:
+        """A YAML file of the checkout (PyYAML, imported here: only these sessions need it)."""
+        import yaml
+
+        return yaml.safe_load((self.onto / rel).read_text(encoding="utf-8"))
+
+    def both(self, run: Callable[[str], Cases]) -> tuple[Cases, Cases]:
+        """``run("branch")`` on the PR branch, then ``run("base")`` on its base; the checkout put back after."""
+        try:
+            git(self.onto, "checkout", "-q", "--force", self.branch, isolated=False)
+            branch = run("branch")
+            git(self.onto, "checkout", "-q", "--detach", self.start, isolated=False)
+            return branch, run("base")
+        finally:
+            git(self.onto, "checkout", "-q", "--force", self.original, isolated=False)
+
+    def tests(self, options: list[str]) -> tuple[Cases, Cases]:
+        """The selection, then its standalone tests one per process, as upstream's CI runs them; branch, then base."""
+        unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("PL_", "PYTEST_", "COV_"))}
+        env = {**unset, "PL_RUN_CUDA_TESTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+        failed_on_branch: list[str] = []
+
+        def run(where: str) -> Cases:
+            tests = self.selection
+            if where == "base" and self.args.base_runs == "failures":  # a test the patch adds is not on the base
+                tests = [t for t in failed_on_branch if (self.onto / t.split("::")[0]).is_file()]
+                if not tests:
+                    return {}
+            pytest = ["python", "-c", PYTEST, *PYTEST_OPTIONS, *options]
+            report = self.reports / f"{where}.xml"
+            self.session.run(*pytest, f"--junitxml={report}", *tests, env=env, success_codes=[0, 1])
+            cases = records.read_junit(report, self.onto)
+            standalone = {**env, "PL_RUN_STANDALONE_TESTS": "1"}
+            listed = self.session.run("python", "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                                      *tests, env=standalone, silent=True, success_codes=[0, 1, 5])  # fmt: skip
+            for i, nodeid in enumerate(line.strip() for line in str(listed).splitlines() if "::" in line):
+                single = self.reports / f"{where}-standalone-{i}.xml"
+                self.session.run(*pytest, f"--junitxml={single}", nodeid, env=standalone, success_codes=range(-64, 256))
+                found = records.read_junit(single, self.onto)
+                cases.update(found or {nodeid: records.Case(nodeid, "failed", "crashed: pytest wrote no report")})
+            failed_on_branch[:] = [c.id for c in cases.values() if c.outcome == "failed"]
+            return cases
+
+        return self.both(run)
+
+    def record(self, installed: str, command: str, base_runs: str, branch: Cases, base: Cases) -> None:
+        """Add the job's record; the session fails if the patch caused a failure."""
+        failures = records.attribute(branch.values(), base.values())
+        caused = sum(f["caused"] for f in failures)
+        records.add(ROOT, "upstream-tests", {
+            "key": f"{self.patch.name} {self.job}", "patch": self.patch.name, "job": self.job,
+            "blob": records.blob_hash(self.patch.path), **upstream_context(self.onto, self.start, self.base),
+            "installed": installed, "command": command, "base_runs": base_runs,
+            "branch": records.counts(branch.values()), "base": records.counts(base.values()),
+            "failures": failures, "caused": caused, "seconds": round(time.monotonic() - self.started),
+        })  # fmt: skip
+        self.session.log(f"{self.patch.name} {self.job}: {records.counts(branch.values())}, {caused} caused")
+        if caused:
+            self.session.error(f"{caused} failures caused by the patch: see docs/upstream-tests.md")
+
+    def record_tests(self, installed: str, options: list[str]) -> None:
+        """Run the tests on both and record them."""
+        command = "pytest " + " ".join(self.selection) + ", their standalone tests one per process"
+        base_runs = "the same selection" if self.args.base_runs == "all" else "the tests that failed on the branch"
+        self.record(installed, command, base_runs, *self.tests(options))
+
+
+def _version_of(session: nox.Session, dist: str) -> str:
+    code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    if dist == "torch":  # as torch reports itself, with its build (``+cu128``), which the wheel's metadata lacks
+        code = "import torch; print(torch.__version__)"
+    return str(session.run("python", "-c", code, silent=True)).strip()
+
+
+def _install_upstream(job: Upstream, constraints: list[str]) -> str:
+    """The checkout editable with its test extras, as upstream's CI installs it; says what was installed."""
+    extras = ",".join(EXTRAS[job.package])
+    job.session.install("-e", f".[{extras}]", *constraints, env=CI_ENV)
+    return f"`lightning[{extras}]` with torch {_version_of(job.session, 'torch')}, Python {job.session.python}"
+
+
+@nox.session(python="3.11")
+def upstream_newest(session: nox.Session) -> None:
+    """Upstream's tests for what the patch touches, with the newest torch its requirements allow (or --torch)."""
+    job = Upstream(session, "newest")
+    pin = []
+    if job.args.torch:  # held through the whole install: upstream's requirements may not replace it
+        (job.reports / "torch.txt").write_text(f"torch=={job.args.torch}\n", encoding="utf-8")
+        pin = ["-c", str(job.reports / "torch.txt")]
+    job.record_tests(_install_upstream(job, pin), [])
+
+
+@nox.session(python="3.10")
+def upstream_oldest(session: nox.Session) -> None:
+    """The same tests as upstream's ``requires: "oldest"`` job runs them: every ``>=`` of its files pinned as ``==``."""
+    job = Upstream(session, "oldest")
+    workflow = job.read(f".github/workflows/ci-tests-{job.package}.yml")
+    steps = next(iter(workflow["jobs"].values()))["steps"]
+    python = next(str(s["with"]["python-version"]) for s in steps if "python-version" in s.get("with", {}))
+    if f"|| '{session.python}'" not in python:  # the oldest entry names no Python: it takes the expression's default
+        session.error(f"upstream's oldest job runs Python {python!r}, not {session.python}: update upstream_oldest")
+    script = next(step["run"] for step in steps if "set-oldest" in step.get("run", ""))
+    files = ast.literal_eval(re.search(r'--req_files "(\[[^\]]*\])"', script).group(1))  # type: ignore[union-attr]
+    # only the files the install reads: base.txt and the extras' (a file it does not install pins nothing there, and
+    # must not here: torchmetrics has a lower bound of its own in base.txt)
+    read = [f for f in files if Path(f).stem in {"base", *(extra.split("-", 1)[1] for extra in EXTRAS[job.package])}]
+    pins = []
+    for line in (raw for rel in read for raw in (job.onto / rel).read_text(encoding="utf-8").splitlines()):
+        spec, _, marker = line.split(" #", 1)[0].strip().partition(";")
+        if ">=" in spec and not spec.startswith(("#", "-")):  # set-oldest's str.replace(">=", "=="), markers too
+            spec = re.sub(r"\[[^\]]*\]", "", spec.replace(">=", "==")).replace(" ", "")  # constraints name no extras
+            pins.append(spec + (f"; {marker.strip().replace('>=', '==')}" if marker else ""))
+    (job.reports / "oldest.txt").write_text("\n".join(pins) + "\n", encoding="utf-8")
+    installed = _install_upstream(job, ["-c", str(job.reports / "oldest.txt")])
+    installed += f"; every `>=` of {', '.join(f'`{f}`' for f in read)} pinned as `==` (`set-oldest`)"
+    # prune_pytest_as_errors: the oldest job drops the filters that make future and deprecation warnings errors
+    config = tomllib.loads((job.onto / "pyproject.toml").read_text(encoding="utf-8"))
+    filters = config["tool"]["pytest"]["ini_options"].get("filterwarnings", [])
+    kept = [f for f in filters if "error::FutureWarning" not in f and "error::DeprecationWarning" not in f]
+    installed += ", pytest's `filterwarnings` without `error::FutureWarning` (`prune_pytest_as_errors`)"
+    job.record_tests(installed, ["-o", "filterwarnings=" + "\n".join(kept)])
+
+
+@nox.session(python="3.11")
+def upstream_mypy(session: nox.Session) -> None:
+    """``code-checks.yml``'s mypy job: its install and its command; each error one JUnit test case."""
+    job = Upstream(session, "mypy")
+    steps = job.read(".github/workflows/code-checks.yml")["jobs"]["mypy"]["steps"]
+    install = next(step["run"] for step in steps if "pip install" in step.get("run", "")).splitlines()[0].strip()
+    command = next(step["run"] for step in steps if step.get("name") == "Check typing").split()
+    if command[:1] != ["mypy"]:
+        session.error(f"upstream's mypy step runs {command!r}, not `mypy ...`: update the upstream_mypy session")
+    session.install(*shlex.split(install.split("pip install", 1)[1]), env=CI_ENV)
+    cache = Path(session.virtualenv.location) / "mypy-cache"  # the base reuses what the branch run left
+
+    def run(where: str) -> Cases:
+        said = session.run(
+            "mypy", f"--cache-dir={cache}", "-O", "json", *command[1:], silent=True, success_codes=[0, 1]
+        )
+        errors = [json.loads(line) for line in str(said).splitlines() if line.startswith("{")]
+        found = [(e["file"], e["code"] or "error", e["message"]) for e in errors if e["severity"] == "error"]
+        records.write_junit(job.reports / f"{where}.xml", "mypy", found)
+        return records.read_junit(job.reports / f"{where}.xml", job.onto)
+
+    versions = f"mypy {_version_of(session, 'mypy')}, torch {_version_of(session, 'torch')}, Python {session.python}"
+    job.record(f"`{install}`: {versions}", f"`{' '.join(command)}` in the checkout", "the same command", *job.both(run))
+
+
+@nox.session(python="3.11")
+def upstream_ruff(session: nox.Session) -> None:
+    """``ruff check`` and ``ruff format --check`` at the pre-commit hooks' version, on every tracked Python file."""
+    job = Upstream(session, "ruff")
+    hooks = job.read(".pre-commit-config.yaml")["repos"]
+    rev = next(repo["rev"] for repo in hooks if repo["repo"].endswith("/ruff-pre-commit")).lstrip("v")
+    session.install(f"ruff=={rev}")
+
+    def run(where: str) -> Cases:
+        checked, formatted = job.reports / f"{where}.xml", job.reports / f"{where}-format.xml"
+        # `.`: the files ruff finds in the clean checkout are the tracked ones, and its configuration excludes the rest
+        session.run("ruff", "check", "--no-cache", "--no-fix", "--output-format=junit", f"--output-file={checked}", ".",
+                    success_codes=[0, 1])  # fmt: skip
+        said = session.run("ruff", "format", "--no-cache", "--check", ".", silent=True, success_codes=[0, 1])
+        unformatted = [line.removeprefix("Would reformat: ") for line in str(said).splitlines()]
+        findings = [(f, "format", "would be reformatted") for f in unformatted if f.endswith((".py", ".pyi", ".ipynb"))]
+        records.write_junit(formatted, "ruff format", findings)
+        return {**records.read_junit(checked, job.onto), **records.read_junit(formatted, job.onto)}
+
+    command = "`ruff check .` and `ruff format --check .` in the checkout, as `pre-commit run --all-files` runs them"
+    job.record(f"ruff {rev} (`.pre-commit-config.yaml`'s `ruff-pre-commit` rev)", command, "the same command",
+               *job.both(run))  # fmt: skip
