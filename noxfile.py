@@ -34,7 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import nox
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself requires tomli on Python 3.10
+    import tomli as tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # the patch set's tool: standard library only
 from patchset import PatchsetError, records

@@ -15,10 +15,9 @@ from patchset_helpers import DEMO, FORK, REPO, build_in_process, pip_wheel, writ
 
 from patchset import PatchsetError
 from patchset.build_label import build_pin
-from patchset.fork_metadata import fork_metadata, fork_url
+from patchset.distribution import finish_wheel, fork_metadata, fork_url
 from patchset.overlay import overlay_files
 from patchset.pin import read_pin
-from patchset.reproducible import finish_wheel
 
 URL = "https://github.com/lightning-patchset/lightning-patchset"
 # distribution (as in wheel names) -> the flavour that builds it, and where each of our src/lightning files lands
@@ -149,16 +148,19 @@ def test_finish_wheel_uses_source_date_epoch_and_records_every_file(tmp_path: Pa
         archive.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nHome-page: https://up\n\nDescription\n")
         archive.writestr("demo-1.0.dist-info/RECORD", "stale\n")
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    finish_wheel(wheel, lambda text: text.replace("https://up", "https://fork"))
+    finish_wheel(wheel, "https://fork")
     with zipfile.ZipFile(wheel) as archive:
         assert {info.date_time for info in archive.infolist()} == {(2023, 11, 14, 22, 13, 20)}
-        assert archive.read("demo-1.0.dist-info/METADATA") == b"Name: demo\nHome-page: https://fork\n\nDescription\n"
+        assert archive.read("demo-1.0.dist-info/METADATA").decode() == (
+            "Name: demo\nHome-page: https://fork\nDownload-URL: https://fork/releases\n"
+            "Project-URL: Bug Tracker, https://fork/issues\nProject-URL: Source Code, https://fork\n\nDescription\n"
+        )
         record = archive.read("demo-1.0.dist-info/RECORD").decode().splitlines()
     assert record[0] == "demo/__init__.py,sha256=Crrh4K5yghbuRJk8Wjp1X4scOH2Uf8TE9yyrDkqEIUs,6"
     assert record[-1] == "demo-1.0.dist-info/RECORD,,"
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
     with pytest.raises(PatchsetError, match=r"SOURCE_DATE_EPOCH='yesterday': expected seconds since 1970"):
-        finish_wheel(wheel)
+        finish_wheel(wheel, "https://fork")
 
 
 def test_fork_metadata_points_users_at_the_fork_and_keeps_the_rest():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from patchset_helpers import PROJECT_EMAIL, REPO
 
-from patchset.fork_metadata import fork_url
+from patchset.distribution import fork_url
 from patchset.pin import read_pin
 from patchset.release import unreleased_notes
 from patchset.series import CHANGELOG_SECTIONS, read_series

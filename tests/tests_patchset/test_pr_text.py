@@ -1,18 +1,37 @@
-"""The PR description: upstream's template with every item answered from the patch and from the recorded runs."""
+"""The PR text (upstream's template, every item answered from the patch and the records of upstream's jobs) and the
+feature request a patch's feature needs upstream first (upstream's issue form, filled from the project's file)."""
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import PR_TEMPLATE, REPO, copy_project
+from patchset_helpers import PR_TEMPLATE, REPO, copy_project, git, write
 
-from patchset.fork_metadata import fork_url
-from patchset.pr_text import NOT_ANSWERED, breaking_changes, checklist_items, fill_template, unanswered
+from patchset import PatchsetError
+from patchset.distribution import fork_url
+from patchset.pin import read_pin
+from patchset.pr_text import (
+    NOT_ANSWERED,
+    breaking_changes,
+    feature_request,
+    fill_form,
+    fill_template,
+    form_fields,
+    unanswered,
+)
+from patchset.records import JOBS, add, blob_hash
 from patchset.series import read_series
-from patchset.upstream_record import PAGE, RUNS, Context, Outcome, Record, blob_hash, write_record
+from patchset.workspace import base_repo
 
 UPSTREAM_BOUND = [patch for patch in read_series(REPO) if patch.upstreamable]
+
+
+def checklist_items(template: str) -> list[str]:
+    """The *Before submitting* items of a template (their text, without the box)."""
+    block = template.split("Before submitting", 1)[-1].split("</details>", 1)[0]
+    return [m.group(2) for line in block.splitlines() if (m := re.match(r"^- (\[[ x]\] )?(.+)$", line))]
 
 
 @pytest.mark.parametrize("patch", UPSTREAM_BOUND, ids=lambda p: p.name[:4])
@@ -56,6 +75,18 @@ def test_the_benchmark_line_links_the_tables_benchmark_pages_in_the_fork():
             assert lines == []
 
 
+def _record(patch, job: str, failed: int) -> dict:
+    """A record of one of upstream's jobs on the patch as it is, with ``failed`` failures the base does not have."""
+    failures = [{"id": f"tests/test_{i}.py::test", "reason": "AssertionError", "caused": True} for i in range(failed)]
+    return {
+        "key": f"{patch.name} {job}", "patch": patch.name, "job": job, "blob": blob_hash(patch.path),
+        "upstream": "1" * 40, "upstream_subject": "upstream", "local_commits": [], "installed": "torch 2.9.1",
+        "command": "pytest tests", "base_runs": "the same selection", "seconds": 60, "caused": failed,
+        "branch": {"passed": 1, "failed": failed, "skipped": 0}, "base": {"passed": 1, "failed": 0, "skipped": 0},
+        "failures": failures,
+    }  # fmt: skip
+
+
 def _tests_line(text: str) -> str:
     (line,) = [line for line in text.splitlines() if "**existing tests pass**" in line]
     return line
@@ -63,25 +94,22 @@ def _tests_line(text: str) -> str:
 
 def test_the_tests_item_is_ticked_only_when_every_job_is_recorded_on_this_patch_with_nothing_caused(tmp_path: Path):
     project = copy_project(tmp_path / "project", include=("patches", "tools", "pyproject.toml", "docs/maintaining.md"))
-    (project / PAGE).unlink(missing_ok=True)
+    (project / "docs/records/upstream-tests.json").unlink(missing_ok=True)
     patch = read_series(project)[2]
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [ ] ")
     assert "newest torch allowed: not recorded for this version of the patch" in line
 
-    context = Context(patch.name, blob_hash(patch.path), "1" * 40, "upstream")
-    for run in RUNS:
-        write_record(project, Record(context, run, "torch 2.9.1", ["tests"]))
+    for job in JOBS:
+        add(project, "upstream-tests", _record(patch, job, failed=0))
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [x] ")
     assert "0 caused by this PR" in line
 
-    failing = Record(context, "oldest", "torch 2.1.0", ["tests"])
-    failing.branch = {"t::x": Outcome("t::x", "failed", "AssertionError")}
-    write_record(project, failing)
+    add(project, "upstream-tests", _record(patch, "oldest", failed=1))
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [ ] ")
-    assert "oldest requirements: 0 passed, 1 failed, 0 skipped, 1 caused by this PR" in line
+    assert "oldest requirements: 1 passed, 1 failed, 0 skipped, 1 caused by this PR" in line
 
     patch.path.write_text(patch.path.read_text() + "\n")  # the patch changed after its runs: they are stale
     assert "not recorded for this version" in _tests_line(fill_template(PR_TEMPLATE, project, read_series(project)[2]))
@@ -103,3 +131,121 @@ def test_upstreams_own_template():
     assert len(checklist_items(template)) == len(checklist_items(PR_TEMPLATE))
     for patch in UPSTREAM_BOUND:
         assert unanswered(fill_template(template, REPO, patch)) == []
+
+
+# an issue form as GitHub reads them: a markdown block, two text fields (one required), a dropdown
+FORM = """name: Ask for something
+description: A form of the tests' own
+labels: ["needs triage", "feature"]
+body:
+  - type: markdown
+    attributes:
+      value: Thanks!
+  - type: textarea
+    attributes:
+      label: What and why
+    validations:
+      required: true
+  - type: dropdown
+    attributes:
+      label: Area
+      options: [a, b]
+  - type: textarea
+    attributes:
+      label: Other options
+    validations:
+      required: false
+"""
+BUG_FORM = 'name: Bug\nlabels: ["bug"]\nbody:\n  - type: textarea\n    attributes:\n      label: What broke\n'
+
+REQUEST = """# Let the demo do more
+
+## What and why
+
+It cannot do more. Run `python -c 'print(1)'`.
+"""
+
+
+def test_the_form_s_text_fields_are_read_in_order_with_what_they_require():
+    assert form_fields(FORM) == [("What and why", True), ("Other options", False)]
+
+
+def test_each_field_gets_its_section_and_a_missing_optional_one_says_no_response():
+    body = fill_form(form_fields(FORM), REQUEST.split("\n", 1)[1], "request.md")
+    assert (
+        body
+        == "### What and why\n\nIt cannot do more. Run `python -c 'print(1)'`.\n\n### Other options\n\n_No response_\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("## Other options\n\nnone\n", "request.md: upstream's form requires 'What and why'; add a `## What and why`"),
+        ("## What and why\n\nx\n\n## Pitch\n\ny\n", "request.md: no field 'Pitch' in upstream's form (it has Other"),
+    ],
+)
+def test_a_required_field_left_out_or_a_section_the_form_lacks_is_one_error(text, error):
+    with pytest.raises(PatchsetError) as err:
+        fill_form(form_fields(FORM), text, "request.md")
+    assert str(err.value).startswith(error)
+
+
+@pytest.fixture
+def upstream_checkout(project: Path, tmp_path: Path) -> Path:
+    onto = tmp_path / "upstream"
+    base_repo(read_pin(project), onto)
+    return onto
+
+
+@pytest.fixture
+def project_with_request(project: Path) -> Path:
+    """The project's first patch given a `Feature-Request:` field naming a request file of the project."""
+    write(project / "docs/upstream-requests/0001-demo.md", REQUEST)
+    (patch,) = read_series(project)
+    text = patch.path.read_text()
+    patch.path.write_text(
+        text.replace("\nForwarded:", "\nFeature-Request: docs/upstream-requests/0001-demo.md\nForwarded:", 1)
+    )
+    return project
+
+
+def test_the_request_is_upstream_s_feature_form_filled_and_the_pr_text_refers_to_it(
+    project_with_request: Path, upstream_checkout: Path
+):
+    write(upstream_checkout / ".github/ISSUE_TEMPLATE/1_bug.yaml", BUG_FORM)
+    write(upstream_checkout / ".github/ISSUE_TEMPLATE/3_feature.yaml", FORM)
+    git(upstream_checkout, "add", "-A")
+    git(upstream_checkout, "commit", "-qm", "issue forms")
+    (patch,) = read_series(project_with_request)
+    text = feature_request(project_with_request, patch, upstream_checkout, "HEAD")
+    assert text is not None
+    assert text.startswith("# Let the demo do more\n\n### What and why\n\nIt cannot do more.")  # not the bug form
+    url = f"{fork_url(project_with_request)}/blob/main/docs/upstream-requests/0001-demo.md"
+    description = fill_template(PR_TEMPLATE, project_with_request, patch).splitlines()
+    assert f"Implements the feature request to be filed first, from {url}: put its number here." in description
+    assert not [line for line in description if line.startswith("Fixes")]
+    (agreed,) = [line for line in description if "discussed/agreed" in line]
+    assert agreed.endswith(f"Not yet: the feature request ({url}) is to be filed and agreed first.")
+
+
+def test_a_field_naming_no_file_of_the_project_is_one_error(project_with_request: Path, upstream_checkout: Path):
+    (project_with_request / "docs/upstream-requests/0001-demo.md").unlink()
+    (patch,) = read_series(project_with_request)
+    with pytest.raises(PatchsetError, match=r"Feature-Request: docs/upstream-requests/0001-demo\.md is not a file"):
+        feature_request(project_with_request, patch, upstream_checkout, "HEAD")
+
+
+def test_a_patch_without_the_field_has_no_request(project: Path, upstream_checkout: Path):
+    (patch,) = read_series(project)
+    assert feature_request(project, patch, upstream_checkout, "HEAD") is None
+
+
+@pytest.mark.skipif(not os.environ.get("PATCHSET_UPSTREAM"), reason="PATCHSET_UPSTREAM names no upstream checkout")
+def test_each_request_of_the_series_fills_upstream_s_own_form():
+    onto = Path(os.environ["PATCHSET_UPSTREAM"])
+    base = subprocess.run(["git", "-C", str(onto), "rev-parse", "origin/HEAD"], capture_output=True, text=True).stdout
+    requests = [p for p in read_series(REPO) if p.field("Feature-Request")]
+    assert requests
+    for patch in requests:
+        assert feature_request(REPO, patch, onto, base.strip())

@@ -11,14 +11,12 @@ from patchset_helpers import git, write
 
 from patchset import PatchsetError
 from patchset.check import check, check_upstream
-from patchset.export import export
-from patchset.import_pr import import_pr
-from patchset.materialize import base_repo, patched_tree
+from patchset.export import export, preview
+from patchset.materialize import build_tree
 from patchset.pin import read_pin
-from patchset.sections import read_note, split_patch
-from patchset.series import read_series
-from patchset.upstream_pr import upstream_pr
-from patchset.workspace import WORKSPACE, materialize_workspace
+from patchset.series import read_series, split_patch
+from patchset.upstream_pr import import_pr, upstream_pr
+from patchset.workspace import NOTES_REF, WORKSPACE, base_repo, changed_names, materialize_workspace
 
 MESSAGE = """fabric: note the demo in the conftest
 
@@ -29,6 +27,7 @@ New-Files: src/lightning/fabric/utilities/_demo.py
 Changelog: fabric Added: Added the demo
 """
 CONFTEST = "tests/tests_fabric/conftest.py"
+DEMO = "src/lightning/fabric/utilities/_demo.py"
 
 
 pytestmark = pytest.mark.usefixtures("project_identity")  # upstream-pr refuses the tests' placeholder identity
@@ -60,11 +59,7 @@ def demo(project: Path, upstream: Path) -> Path:
     conftest.write_text(conftest.read_text().replace("    pass\n", "    config.addinivalue_line('markers', 'demo')\n"))
     git(upstream, "commit", "-qa", "--amend", "--no-edit")
     result = import_pr(project, "2", upstream)
-    assert (result.upstream_only, result.new_files, result.not_taken) == (
-        [CONFTEST],
-        ["src/lightning/fabric/utilities/_demo.py"],
-        [],
-    )
+    assert result == {"upstream-only": [CONFTEST], "new files": [DEMO], "not taken": []}
     git(upstream, "checkout", "-q", "main")
     return project
 
@@ -77,12 +72,13 @@ def test_a_patch_carries_upstream_only_sections_through_the_whole_workflow(demo:
     assert b"+    config.addinivalue_line('markers', 'demo')" in data
 
     # the fork's build skips it (the sdist has no tests/), the workspace keeps it as a note
-    assert not (patched_tree(demo) / "tests").exists()
+    assert not (build_tree(demo, demo / "tree") / "tests").exists()
     workspace = demo / WORKSPACE
     assert not (workspace / "tests").exists()
-    assert [s.path for s in read_note(workspace, "HEAD")] == [CONFTEST]
+    note = git(workspace, "notes", f"--ref={NOTES_REF}", "show", "HEAD").encode() + b"\n"
+    assert [s.path for s in split_patch(note)[1]] == [CONFTEST]
     assert all(f.ok for f in check(demo)), [f.message for f in check(demo) if not f.ok]
-    assert export(demo, check=True) == []
+    assert changed_names(*preview(demo)) == []
 
     # editing the patch's other hunks in the workspace (amend) keeps the upstream-only section byte for byte
     init = workspace / "src/lightning/fabric/utilities/__init__.py"
@@ -96,7 +92,7 @@ def test_a_patch_carries_upstream_only_sections_through_the_whole_workflow(demo:
 
     # ... and so does a rebase of the series in the workspace
     git(workspace, "rebase", "-q", "--force-rebase", "upstream")
-    assert export(demo, check=True) == []
+    assert changed_names(*preview(demo)) == []
 
     # upstream-pr applies it
     upstream_pr(demo, "2", upstream, force=True)
@@ -118,7 +114,7 @@ def test_a_patch_of_only_upstream_only_sections_is_an_empty_commit_in_the_worksp
     patch = read_series(project)[1].path
     assert [s.path for s in split_patch(patch.read_bytes())[1]] == [CONFTEST]
     assert git(project / WORKSPACE, "diff", "--stat", "HEAD~1", "HEAD") == ""
-    assert export(project, check=True) == []
+    assert changed_names(*preview(project)) == []
     assert all(f.ok for f in check(project))
 
 
@@ -147,7 +143,7 @@ def test_import_pr_leaves_files_the_sdist_ships_to_the_workspace(demo: Path, ups
     git(upstream, "commit", "-qa", "--amend", "--no-edit")
     before = read_series(demo)[1].path.read_bytes()
     result = import_pr(demo, "2", upstream)
-    assert result.not_taken == ["src/lightning/fabric/utilities/__init__.py"]
+    assert result["not taken"] == ["src/lightning/fabric/utilities/__init__.py"]
     assert read_series(demo)[1].path.read_bytes() == before
 
 
@@ -180,8 +176,8 @@ def test_import_pr_of_a_stacked_patch_takes_only_its_own_change(demo: Path, upst
     upstream_pr(demo, "2", upstream, force=True)  # the PR it stacks on is made again (upstream-tests does this)
     git(upstream, "checkout", "-q", "main")
     result = import_pr(demo, "3", upstream)
-    assert result.upstream_only == [CONFTEST]
-    assert result.not_taken == []
+    assert result["upstream-only"] == [CONFTEST]
+    assert result["not taken"] == []
     section = next(s for s in split_patch(read_series(demo)[2].path.read_bytes())[1] if s.path == CONFTEST)
     assert b"+# stacked" in section.text
     assert b"addinivalue_line" not in section.text.split(b"@@", 2)[2].replace(b" config.addinivalue", b"")
@@ -215,10 +211,10 @@ def test_export_refuses_to_lose_or_garble_upstream_only_sections(demo: Path, ups
     git(
         workspace,
         "notes",
-        "--ref=refs/notes/patchset-upstream-only",
+        f"--ref={NOTES_REF}",
         "append",
         "-C",
-        git(workspace, "notes", "--ref=refs/notes/patchset-upstream-only", "list", "ORIG_HEAD"),
+        git(workspace, "notes", f"--ref={NOTES_REF}", "list", "ORIG_HEAD"),
         "HEAD",
     )
     with pytest.raises(PatchsetError, match=f"two upstream-only sections for {CONFTEST}"):
@@ -246,8 +242,8 @@ def test_unusual_paths_in_upstream_only_sections(project: Path, upstream: Path):
     for rel in odd:
         (upstream / rel).write_text("line\nchanged\n")
     git(upstream, "commit", "-qa", "--amend", "--no-edit")
-    assert sorted(import_pr(project, "2", upstream).upstream_only) == sorted(odd)
-    assert export(project, check=True) == []
+    assert sorted(import_pr(project, "2", upstream)["upstream-only"]) == sorted(odd)
+    assert changed_names(*preview(project)) == []
     assert all(f.ok for f in check(project))
     upstream_pr(project, "2", upstream, force=True, base="main")
     assert all((upstream / rel).read_text() == "line\nchanged\n" for rel in odd)

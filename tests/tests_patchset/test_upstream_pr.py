@@ -9,11 +9,10 @@ from patchset_helpers import PR_TEMPLATE, PROJECT_EMAIL, git, write
 
 from patchset import PatchsetError
 from patchset.export import export
-from patchset.materialize import base_repo
 from patchset.pin import read_pin
 from patchset.series import ChangelogEntry
 from patchset.upstream_pr import insert_changelog, upstream_pr
-from patchset.workspace import materialize_workspace
+from patchset.workspace import base_repo, materialize_workspace
 
 MESSAGE = """fabric: add a demo helper
 
@@ -50,9 +49,9 @@ def upstream_checkout(project: Path, tmp_path: Path) -> Path:
     return onto
 
 
-def test_upstream_pr_is_one_clean_commit(demo_project: Path, upstream_checkout: Path, tmp_path: Path):
+def test_upstream_pr_is_one_clean_commit(demo_project: Path, upstream_checkout: Path):
     onto = upstream_checkout
-    branch = upstream_pr(demo_project, "2", onto, out_dir=tmp_path / "series")
+    branch = upstream_pr(demo_project, "2", onto)
     assert branch == "patchset/fabric-add-a-demo-helper"
     assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == branch
     assert git(onto, "rev-list", "--count", "upstream..HEAD") == "1"
@@ -73,7 +72,6 @@ def test_upstream_pr_is_one_clean_commit(demo_project: Path, upstream_checkout: 
     fixed = unreleased.split("### Fixed")[1]
     assert fixed.strip().startswith("- Fixed the demo ([#21308]")
     assert "\n-\n" not in fixed  # the empty placeholder was replaced
-    assert [p.name for p in (tmp_path / "series").iterdir()] == ["0001-fabric-add-a-demo-helper.patch"]
 
 
 def test_fork_packaging_patch_has_no_upstream_pr(demo_project: Path, upstream_checkout: Path):

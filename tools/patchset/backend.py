@@ -1,9 +1,7 @@
 """In-tree PEP 517 / PEP 660 build backend: builds the fork by delegating to upstream's own setuptools build.
 
-It never imports torch or lightning. The patched tree is made once per (sdist hash, series) and cached; each hook
-works on a fresh copy with our new files and the version label, so upstream's ``setup.py`` can write into it freely.
-What setuptools builds is then finished here: the fork's address in the metadata (:mod:`patchset.fork_metadata`) and
-a reproducible zip (:mod:`patchset.reproducible`).
+It never imports torch or lightning. Each hook makes the fork's tree in a temporary folder (:mod:`patchset.materialize`)
+and runs setuptools' backend there; what setuptools builds is finished by :mod:`patchset.distribution`.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import functools
 import io
 import os
 import re
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -23,17 +20,17 @@ from typing import Any, TypeVar
 
 from patchset import PatchsetError, flavours
 from patchset.build_label import build_pin
-from patchset.fork_metadata import fork_metadata, fork_url
+from patchset.distribution import finish_wheel, fork_metadata, fork_url
+from patchset.gitops import git
 from patchset.materialize import build_tree
+from patchset.overlay import SKIPPED
 from patchset.pin import PIN_FILE, read_pin
-from patchset.reproducible import finish_wheel
 
 _T = TypeVar("_T")
 ConfigSettings = dict[str, Any] | None
 EDITABLE_TREE = Path(".work") / "editable"
-# What a self-contained sdist of the patch set holds (top-level entries); everything else (caches, build output,
-# editor files, coverage data) stays out.
-SDIST_CONTENTS = (
+# what the patch set's own sdist holds: everything else (caches, build output, editor files) stays out
+SDIST_CONTENTS: tuple[str, ...] = (
     "pyproject.toml",
     "README.md",
     "LICENSE",
@@ -43,14 +40,8 @@ SDIST_CONTENTS = (
     "src",
     "tests",
     "docs",
-    "demo",
-    "benchmarks",
 )
-_SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
-
-
-def _project() -> Path:
-    return Path.cwd()
+SDIST_CONTENTS += ("demo", "benchmarks")
 
 
 def _reports_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
@@ -68,32 +59,29 @@ def _reports_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
 
 
 @contextmanager
-def _inside(tree: Path) -> Iterator[Path]:
+def _inside(tree: Path) -> Iterator[None]:
     cwd = os.getcwd()
     os.chdir(tree)
     try:
-        yield tree
+        yield
     finally:
         os.chdir(cwd)
 
 
 @contextmanager
-def _fork_tree() -> Iterator[Path]:
+def _fork_tree() -> Iterator[None]:
     flavour = flavours.requested()
     with tempfile.TemporaryDirectory(prefix="lightning-patchset-") as tmp:
-        tree = build_tree(_project(), Path(tmp) / "tree")
+        tree = build_tree(Path.cwd(), Path(tmp) / "tree")
         flavours.add_data_extra(tree)
         if flavour is not None:
             flavours.prepare(tree, flavour)
         with _inside(tree):
-            yield tree
+            yield
 
 
 def _setuptools() -> Any:
-    """Setuptools' own backend, imported only by the hooks that delegate to it (metadata, wheel, editable).
-
-    The sdist hook, which does not, runs without importing setuptools at all.
-    """
+    """Setuptools' own backend, imported by the hooks that delegate to it; the sdist hook runs without it."""
     import setuptools.build_meta  # type: ignore[import-untyped,unused-ignore]
 
     return setuptools.build_meta
@@ -103,19 +91,12 @@ def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list
     return []  # build-system.requires already lists what upstream's setup.py needs
 
 
-get_requires_for_build_editable = get_requires_for_build_wheel
-get_requires_for_build_sdist = get_requires_for_build_wheel
-
-
-def _finish(wheel: Path, url: str) -> str:
-    finish_wheel(wheel, lambda text: fork_metadata(text, url))
-    return wheel.name
+get_requires_for_build_editable = get_requires_for_build_sdist = get_requires_for_build_wheel
 
 
 @_reports_errors
 def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
-    target = os.path.abspath(metadata_directory)
-    url = fork_url(_project())
+    target, url = os.path.abspath(metadata_directory), fork_url(Path.cwd())
     with _fork_tree():
         name = str(_setuptools().prepare_metadata_for_build_wheel(target, config_settings))
     metadata = Path(target) / name / "METADATA"
@@ -127,17 +108,23 @@ def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: C
 def build_wheel(
     wheel_directory: str, config_settings: ConfigSettings = None, metadata_directory: str | None = None
 ) -> str:
-    target = os.path.abspath(wheel_directory)
-    url = fork_url(_project())
+    target, url = os.path.abspath(wheel_directory), fork_url(Path.cwd())
     with _fork_tree():
         name = str(_setuptools().build_wheel(target, config_settings))
-    return _finish(Path(target) / name, url)
+    return finish_wheel(Path(target) / name, url)
+
+
+def _lightning_only() -> None:
+    if flavours.requested() is not None:
+        raise PatchsetError(
+            f"{flavours.PACKAGE_NAME_ENV}={os.environ[flavours.PACKAGE_NAME_ENV]}: editable installs build the"
+            f" lightning distribution only; install {flavours.requested().distribution} without -e"  # type: ignore[union-attr]
+        )
 
 
 @_reports_errors
 def prepare_metadata_for_build_editable(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
-    if flavours.requested() is not None:
-        raise PatchsetError(f"{flavours.PACKAGE_NAME_ENV}: editable installs build the lightning distribution only")
+    _lightning_only()
     return prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 
@@ -145,48 +132,38 @@ def prepare_metadata_for_build_editable(metadata_directory: str, config_settings
 def build_editable(
     wheel_directory: str, config_settings: ConfigSettings = None, metadata_directory: str | None = None
 ) -> str:
-    """PEP 660: the installed fork points at ``.work/editable``, whose new files are links to this checkout's.
-
-    Edits to our new files take effect at once; after changing patches or adding files, install again.
-    """
-    flavour = flavours.requested()
-    if flavour is not None:
-        raise PatchsetError(
-            f"{flavours.PACKAGE_NAME_ENV}={os.environ[flavours.PACKAGE_NAME_ENV]}: editable installs build the"
-            f" lightning distribution only; install {flavour.distribution} without -e"
-        )
-    target = os.path.abspath(wheel_directory)
-    url = fork_url(_project())
-    tree = build_tree(_project(), _project() / EDITABLE_TREE, link=True)
+    """PEP 660: the installed fork points at ``.work/editable``, whose new files are links to this checkout's."""
+    _lightning_only()
+    target, url = os.path.abspath(wheel_directory), fork_url(Path.cwd())
+    tree = build_tree(Path.cwd(), Path.cwd() / EDITABLE_TREE, link=True)
     flavours.add_data_extra(tree)
     with _inside(tree):
         name = str(_setuptools().build_editable(target, config_settings))
-    return _finish(Path(target) / name, url)
+    return finish_wheel(Path(target) / name, url)
 
 
 @_reports_errors
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
-    """A self-contained sdist of the patch set: pin, patches, our files and this tool; upstream is fetched at build."""
-    project = _project()
+    """The patch set's own sdist: pin, patches, new files and this tool; upstream's is fetched when it is built."""
+    project = Path.cwd()
     pin = build_pin(project, read_pin(project))
     stem = f"{pin.name}-{pin.fork_version}"
     with tempfile.TemporaryDirectory() as meta_dir:
-        dist_info = prepare_metadata_for_build_wheel(meta_dir, config_settings)
-        pkg_info = (Path(meta_dir) / dist_info / "METADATA").read_bytes()
+        pkg_info = (
+            Path(meta_dir) / prepare_metadata_for_build_wheel(meta_dir, config_settings) / "METADATA"
+        ).read_bytes()
     target = Path(sdist_directory).resolve() / f"{stem}.tar.gz"
     with tarfile.open(target, "w:gz", format=tarfile.PAX_FORMAT) as tar:
         for rel in sdist_files(project):
             info = tar.gettarinfo(str(project / rel), arcname=f"{stem}/{rel}")
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
+            info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
             data = (project / rel).read_bytes()
             if Path(rel) == PIN_FILE:  # a build from the sdist, which has no git, keeps the label it was made with
                 data = re.sub(rb"(?m)^local-version = .*$", f"local-version = {pin.local_version}".encode(), data)
                 info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
         info = tarfile.TarInfo(f"{stem}/PKG-INFO")
-        info.size = len(pkg_info)
-        info.mode = 0o644
+        info.size, info.mode = len(pkg_info), 0o644
         tar.addfile(info, io.BytesIO(pkg_info))
     return target.name
 
@@ -194,31 +171,18 @@ def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) ->
 def sdist_files(project: Path) -> list[str]:
     """The files of :data:`SDIST_CONTENTS`: those git knows (tracked or not ignored) in a checkout, else all."""
     if (project / ".git").exists():
-        listed = subprocess.run(
-            [
-                "git",
-                "-C",
-                str(project),
-                "ls-files",
-                "--cached",
-                "--others",
-                "--exclude-standard",
-                "-z",
-                "--",
-                *SDIST_CONTENTS,
-            ],
-            capture_output=True,
-            check=True,
-        ).stdout.decode()
-        candidates = [f for f in listed.split("\0") if f]
+        args = ("ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", *SDIST_CONTENTS)
+        candidates = git(project, *args, isolated=False).stdout.decode().split("\0")
     else:
-        candidates = [
-            path.relative_to(project).as_posix()
-            for entry in SDIST_CONTENTS
-            for path in ([project / entry] if (project / entry).is_file() else sorted((project / entry).rglob("*")))
-        ]
+        found = (
+            p for e in SDIST_CONTENTS for p in ([project / e] if (project / e).is_file() else (project / e).rglob("*"))
+        )
+        candidates = [path.relative_to(project).as_posix() for path in found]
     return sorted(
         rel
         for rel in candidates
-        if (project / rel).is_file() and not _SKIP_PARTS & set(rel.split("/")) and not rel.endswith((".pyc", ".pyo"))
+        if rel
+        and (project / rel).is_file()
+        and not SKIPPED & set(rel.split("/"))
+        and not rel.endswith((".pyc", ".pyo"))
     )

@@ -1,4 +1,4 @@
-"""Write the workspace's patch commits back to ``patches/`` as byte-stable ``git format-patch`` files."""
+"""``export``: write the workspace's commits back to ``patches/``, or (``--check``) show what that would change."""
 
 from __future__ import annotations
 
@@ -7,30 +7,26 @@ import tempfile
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git
-from patchset.materialize import BASE_TAG, make_workspace
-from patchset.sections import NOTES_REF, shipped_files, split_patch
-from patchset.series import series_files
+from patchset.gitops import git, refuse_busy
+from patchset.pin import fetch_sdist, read_pin, sdist_files
+from patchset.series import series_files, split_patch
 from patchset.workspace import (
+    NOTES_REF,
     SERIES,
     WORKSPACE,
     changed_names,
+    make_workspace,
     planned_export,
     record_snapshot,
-    refuse_busy,
     snapshot_dir,
 )
 
 
 def preview(project: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """The series file and patches as they are, and as exporting would write them.
-
-    From the workspace if there is one, else from a fresh materialization, as on CI or in a fresh clone.
-    """
-    workspace = project / WORKSPACE
+    """The series files as they are, and as exporting would write them: from the workspace, else a fresh one."""
     current = series_files(project / "patches")
-    if workspace.exists():
-        return current, planned_export(project, workspace)
+    if (project / WORKSPACE).exists():
+        return current, planned_export(project, project / WORKSPACE)
     with tempfile.TemporaryDirectory() as tmp:
         make_workspace(project, Path(tmp) / "tree")
         return current, planned_export(project, Path(tmp) / "tree")
@@ -40,14 +36,13 @@ def diff_text(old: dict[str, bytes], new: dict[str, bytes]) -> str:
     """A unified diff of the changed patch files (``a/`` as committed, ``b/`` as a re-export would write them)."""
     lines: list[str] = []
     for name in changed_names(old, new):
-        before = old.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)
-        after = new.get(name, b"").decode("utf-8", errors="replace").splitlines(keepends=True)
+        before, after = (files.get(name, b"").decode(errors="replace").splitlines(True) for files in (old, new))
         lines += difflib.unified_diff(before, after, f"a/patches/{name}", f"b/patches/{name}")
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
 
 def _lost_sections(before: dict[str, bytes], after: dict[str, bytes], shipped: frozenset[str]) -> list[str]:
-    """Upstream-only sections (files not in ``shipped``) that a patch, matched by subject, had and would lose."""
+    """Upstream-only sections that a patch, matched by subject, had and would lose (a commit recreated without note)."""
 
     def by_subject(files: dict[str, bytes]) -> dict[bytes, set[str]]:
         found = {}
@@ -59,39 +54,36 @@ def _lost_sections(before: dict[str, bytes], after: dict[str, bytes], shipped: f
         return found
 
     old, new = by_subject(before), by_subject(after)
-    lost = []
-    for subject, paths in old.items():
-        if subject in new and paths - new[subject]:
-            what = subject.decode(errors="replace").removeprefix("Subject: [PATCH] ")
-            lost.append(f"{what}: {', '.join(sorted(paths - new[subject]))}")
-    return lost
+    lost = [
+        (subject, paths - new[subject]) for subject, paths in old.items() if subject in new and paths - new[subject]
+    ]
+    return [f"{s.decode(errors='replace').removeprefix('Subject: [PATCH] ')}: {', '.join(sorted(p))}" for s, p in lost]
 
 
-def export(project: Path, check: bool = False, force: bool = False) -> list[str]:
-    """Write the workspace's commits back as patches (with ``check``, only report). Returns the changed names.
+def export(project: Path, force: bool = False) -> list[str]:
+    """Write the workspace's commits back as patches; the changed names.
 
-    Refuses when ``patches/`` changed since the workspace was materialized (a pull, say), since writing would revert
-    those changes, unless ``force``; and refuses uncommitted edits in the workspace, which would not be exported.
+    Refuses uncommitted edits, and a ``patches/`` that changed since the workspace was made (writing would revert
+    those changes) or a patch that would lose upstream-only sections, unless ``force``.
     """
-    if check:
-        return changed_names(*preview(project))
     workspace = project / WORKSPACE
+    if not (workspace / ".git").is_dir():
+        raise PatchsetError(f"{workspace}: no workspace; run `materialize` first")
     refuse_busy(workspace)
-    current = series_files(project / "patches")
     dirty = git(workspace, "status", "--porcelain").stdout.decode().splitlines()
     if dirty:
         raise PatchsetError(
             f"{WORKSPACE} has uncommitted edits ({', '.join(line[3:] for line in dirty)}): commit them to the patch"
             " they belong to (git commit --fixup, then git rebase -i --autosquash), or discard them, then export"
         )
-    planned = planned_export(project, workspace)
+    current, planned = series_files(project / "patches"), planned_export(project, workspace)
     snapshot = series_files(snapshot_dir(workspace))
     if not force and current != snapshot:
         raise PatchsetError(
             f"patches/ changed since {WORKSPACE} was materialized ({', '.join(changed_names(snapshot, current))}): run"
             " `materialize` to pick the changes up, or `export --force` to overwrite them with the workspace"
         )
-    lost = _lost_sections(snapshot, planned, shipped_files(workspace, BASE_TAG))
+    lost = _lost_sections(snapshot, planned, sdist_files(fetch_sdist(read_pin(project))))
     if lost and not force:
         raise PatchsetError(
             f"exporting would drop upstream-only sections ({'; '.join(lost)}): a commit was recreated without its"
@@ -99,11 +91,10 @@ def export(project: Path, check: bool = False, force: bool = False) -> list[str]
             f" {WORKSPACE}, or `export --force` to drop them"
         )
     changed = changed_names(current, planned)
-    patches_dir = project / "patches"
     for name in changed:
         if name in planned:
-            (patches_dir / name).write_bytes(planned[name])
+            (project / "patches" / name).write_bytes(planned[name])
         else:
-            (patches_dir / name).unlink()
+            (project / "patches" / name).unlink()
     record_snapshot(project, workspace)
     return changed

@@ -1,18 +1,12 @@
 """The ``pytorch-lightning`` and ``lightning-fabric`` distributions of the fork, built as upstream builds them.
 
-Upstream's ``setup.py`` builds these flavours when ``PACKAGE_NAME`` is ``pytorch`` or ``fabric`` and ``src/`` holds
-the flavour packages: it mirrors ``lightning.pytorch``/``lightning.fabric`` into ``pytorch_lightning``/
-``lightning_fabric`` with its own import rewriting (``assistant.create_mirror_package``) and calls the flavour's
-``__setup__.py``. Upstream keeps each flavour's ``__setup__.py``, ``__about__.py``, ``__version__.py``,
-``MANIFEST.in`` and ``README.md`` in its repository, not in the ``lightning`` sdist, so this module writes our own
-into the build copy, for a flavour build only (the default ``lightning`` build is upstream's, untouched). They give
-what the index's wheels of the pinned release have: the same requirement bounds (upstream drops the upper bounds of
-its requirement files for these two, ``unfreeze="all"``, and keeps them for ``lightning``), extras, classifiers,
-``__about__`` values and files. ``README.md`` (the long description) is the sdist's, which upstream writes for
-``lightning``; the flavours' own READMEs are not in the sdist.
-
-One file of upstream's repository that the sdist lacks concerns ``lightning`` itself: ``requirements/data/data.txt``,
-the only requirement of its ``data`` extra (:func:`add_data_extra`).
+With ``PACKAGE_NAME`` set to ``pytorch`` or ``fabric``, upstream's ``setup.py`` mirrors ``lightning.pytorch`` /
+``lightning.fabric`` into ``pytorch_lightning`` / ``lightning_fabric`` with its own import rewriting and calls the
+flavour's ``__setup__.py``. Upstream keeps each flavour's ``__setup__.py``, ``__about__.py``, ``__version__.py`` and
+``MANIFEST.in`` in its repository, not in the sdist: this module writes our own into the build copy, giving what the
+index's wheels of the pinned release have (the same requirement bounds, extras, classifiers, ``__about__`` values
+and files). The default ``lightning`` build is upstream's, but for ``lightning[data]``'s requirement file, which the
+sdist lacks too (:func:`add_data_extra`).
 """
 
 from __future__ import annotations
@@ -26,8 +20,10 @@ from pathlib import Path
 from patchset import PatchsetError
 
 PACKAGE_NAME_ENV = "PACKAGE_NAME"
-# The __about__ values the flavours share with `lightning` (read from the sdist's src/lightning/__about__.py).
 _SHARED_ABOUT = ("__author__", "__author_email__", "__license__", "__homepage__", "__docs_url__")
+# requirements/data/data.txt of upstream's repository at the pinned release (the comparison with the index's wheel
+# in tests/tests_patchset/test_distributions.py catches a change at the next rebase)
+DATA_REQUIREMENTS = "litdata >=0.2.0rc, <0.3.0\n"
 
 
 @dataclass(frozen=True)
@@ -36,7 +32,7 @@ class Flavour:
 
     distribution: str
     package: str
-    packages: tuple[str, ...]
+    packages: tuple[str, ...]  # the flavour's own package first
     requirements: str
     docs: str  # __docs__, the distribution's Summary
     copyright_since: int
@@ -44,50 +40,25 @@ class Flavour:
     console_scripts: tuple[str, ...] = ()
 
 
-_PYTHONS = ("3", "3.10", "3.11", "3.12", "3.13")
-_TOPICS = ("Artificial Intelligence", "Information Analysis")
-
-
 def _classifiers(status: str, topics: tuple[str, ...], license_classifier: bool) -> tuple[str, ...]:
     return (
-        "Environment :: Console",
-        "Natural Language :: English",
-        f"Development Status :: {status}",
-        "Intended Audience :: Developers",
-        *(f"Topic :: Scientific/Engineering :: {topic}" for topic in topics),
+        "Environment :: Console", "Natural Language :: English", f"Development Status :: {status}",
+        "Intended Audience :: Developers", *(f"Topic :: Scientific/Engineering :: {topic}" for topic in topics),
         *(["License :: OSI Approved :: Apache Software License"] if license_classifier else []),
         "Operating System :: OS Independent",
-        *(f"Programming Language :: Python :: {version}" for version in _PYTHONS),
-    )
+        *(f"Programming Language :: Python :: {v}" for v in ("3", "3.10", "3.11", "3.12", "3.13")),
+    )  # fmt: skip
 
 
-# The flavour packages: each lists itself first (the package whose __setup__.py upstream's setup.py calls).
-_FABRIC = ("lightning_fabric",)
+_TOPICS = ("Artificial Intelligence", "Information Analysis")
+_PYTORCH_DOCS = "PyTorch Lightning is the lightweight PyTorch wrapper for ML researchers. Scale your models. Write less"
 FLAVOURS = {
-    "pytorch": Flavour(
-        "pytorch-lightning",
-        "pytorch_lightning",
-        ("pytorch_lightning", *_FABRIC),
-        "pytorch",
-        "PyTorch Lightning is the lightweight PyTorch wrapper for ML researchers."
-        " Scale your models. Write less boilerplate.",
-        2018,
-        _classifiers(
-            "5 - Production/Stable", ("Artificial Intelligence", "Image Recognition", "Information Analysis"), True
-        ),
-    ),
-    "fabric": Flavour(
-        "lightning-fabric",
-        "lightning_fabric",
-        _FABRIC,
-        "fabric",
-        "",
-        2022,
-        _classifiers("4 - Beta", _TOPICS, False),
-        ("fabric = lightning_fabric.cli:_main",),
-    ),
-}
-_BY_PACKAGE = {flavour.package: flavour for flavour in FLAVOURS.values()}
+    "pytorch": Flavour("pytorch-lightning", "pytorch_lightning", ("pytorch_lightning", "lightning_fabric"), "pytorch",
+                       _PYTORCH_DOCS + " boilerplate.", 2018, _classifiers("5 - Production/Stable",
+                       (_TOPICS[0], "Image Recognition", _TOPICS[1]), True)),
+    "fabric": Flavour("lightning-fabric", "lightning_fabric", ("lightning_fabric",), "fabric", "", 2022,
+                      _classifiers("4 - Beta", _TOPICS, False), ("fabric = lightning_fabric.cli:_main",)),
+}  # fmt: skip
 
 _SETUP = '''"""Setup arguments of the {distribution} distribution, as upstream builds it for the index.
 
@@ -195,11 +166,6 @@ with open(os.path.join(os.path.dirname(__file__), "version.info"), encoding="utf
 """
 
 
-# requirements/data/data.txt in upstream's repository at the pinned release: `lightning[data]`, which upstream's
-# lightning/__setup__.py makes from it (with the upper bound widened to the next major version, as for every extra)
-DATA_REQUIREMENTS = "litdata >=0.2.0rc, <0.3.0\n"
-
-
 def add_data_extra(tree: Path) -> None:
     """Write the requirement file of ``lightning[data]``, which the sdist does not ship, unless it ships one."""
     path = tree / "requirements" / "data" / "data.txt"
@@ -211,60 +177,42 @@ def add_data_extra(tree: Path) -> None:
 def requested() -> Flavour | None:
     """The flavour ``$PACKAGE_NAME`` asks for; ``None`` (or ``lightning``) is the default ``lightning`` build."""
     name = os.environ.get(PACKAGE_NAME_ENV, "").strip()
-    if name in ("", "lightning"):
-        return None
-    if name not in FLAVOURS:
+    if name not in ("", "lightning", *FLAVOURS):
         raise PatchsetError(f"{PACKAGE_NAME_ENV}={name!r}: expected one of lightning, {', '.join(FLAVOURS)}")
-    return FLAVOURS[name]
-
-
-def shared_about(tree: Path) -> dict[str, str]:
-    """The ``__about__`` strings every distribution shares, as the sdist's ``src/lightning/__about__.py`` has them."""
-    path = tree / "src" / "lightning" / "__about__.py"
-    values = {}
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not isinstance(node.value, ast.Constant):
-            continue
-        target = node.targets[0]
-        if isinstance(target, ast.Name) and target.id in _SHARED_ABOUT:
-            values[target.id] = str(node.value.value)
-    missing = [key for key in _SHARED_ABOUT if key not in values]
-    if missing:
-        raise PatchsetError(f"{path}: no string {', '.join(missing)}: cannot write the flavours' __about__.py")
-    return values
+    return FLAVOURS.get(name)
 
 
 def prepare(tree: Path, flavour: Flavour) -> None:
     """Give upstream's ``setup.py`` what it needs to build ``flavour`` from ``tree``, as upstream's repository does."""
-    shared = "\n".join(f"{key} = {value!r}" for key, value in shared_about(tree).items())
-    for package, own in _BY_PACKAGE.items():
-        folder = tree / "src" / package  # both must exist: upstream counts them to decide on a mirrored build
+    about = tree / "src" / "lightning" / "__about__.py"
+    values = {}
+    for node in ast.parse(about.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and len(node.targets) == 1:
+            name = node.targets[0].id if isinstance(node.targets[0], ast.Name) else ""
+            values.update({name: str(node.value.value)} if name in _SHARED_ABOUT else {})
+    if missing := [key for key in _SHARED_ABOUT if key not in values]:
+        raise PatchsetError(f"{about}: no string {', '.join(missing)}: cannot write the flavours' __about__.py")
+    shared = "\n".join(f"{key} = {value!r}" for key, value in values.items())
+    for own in FLAVOURS.values():  # both packages must exist: upstream counts them to decide on a mirrored build
+        folder = tree / "src" / own.package
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "__version__.py").write_text(_VERSION, encoding="utf-8")
         (folder / "py.typed").write_text("", encoding="utf-8")
-        about = _ABOUT.format(distribution=own.distribution, shared=shared, since=own.copyright_since, docs=own.docs)
-        (folder / "__about__.py").write_text(about, encoding="utf-8")
-        (folder / "__setup__.py").write_text(_setup(own), encoding="utf-8")
+        text = _ABOUT.format(distribution=own.distribution, shared=shared, since=own.copyright_since, docs=own.docs)
+        (folder / "__about__.py").write_text(text, encoding="utf-8")
+        scripts = (
+            f'\n        "entry_points": {{"console_scripts": {list(own.console_scripts)!r}}},'
+            if own.console_scripts
+            else ""
+        )
+        includes = [pattern for package in own.packages for pattern in (package, f"{package}.*")]
+        text = _SETUP.format(distribution=own.distribution, package=own.package, requirements=own.requirements,
+                             includes=includes, classifiers=list(own.classifiers), entry_points=scripts)  # fmt: skip
+        (folder / "__setup__.py").write_text(text, encoding="utf-8")
     shutil.copyfile(tree / "README.md", tree / "src" / flavour.package / "README.md")
     # package data, as upstream's MANIFEST.in of the flavour lists it (the others are for upstream's own sdists)
     files = ("version.info", "py.typed", "CHANGELOG.md")
     manifest = [f"include src/{package}/{name}" for package in flavour.packages for name in files]
-    manifest.append(f"include src/{flavour.package}/README.md")
-    (tree / "src" / flavour.package / "MANIFEST.in").write_text("\n".join(manifest) + "\n", encoding="utf-8")
-
-
-def _setup(flavour: Flavour) -> str:
-    includes = [pattern for package in flavour.packages for pattern in (package, f"{package}.*")]
-    entry_points = (
-        f'\n        "entry_points": {{"console_scripts": {list(flavour.console_scripts)!r}}},'
-        if flavour.console_scripts
-        else ""
-    )
-    return _SETUP.format(
-        distribution=flavour.distribution,
-        package=flavour.package,
-        requirements=flavour.requirements,
-        includes=includes,
-        classifiers=list(flavour.classifiers),
-        entry_points=entry_points,
+    (tree / "src" / flavour.package / "MANIFEST.in").write_text(
+        "\n".join([*manifest, f"include src/{flavour.package}/README.md"]) + "\n", encoding="utf-8"
     )

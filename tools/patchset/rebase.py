@@ -1,4 +1,4 @@
-"""Move the patch series onto a new upstream release: replay it in the workspace with ``git rebase``."""
+"""``rebase``: move the series onto a new upstream release by replaying it in the workspace with ``git rebase``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.gitops import git, out
-from patchset.materialize import BASE_TAG, write_version
+from patchset.materialize import write_version
 from patchset.pin import (
     Pin,
     ReleaseNotFoundError,
@@ -19,14 +19,12 @@ from patchset.pin import (
     read_pin,
     write_pin,
 )
-from patchset.workspace import materialize_workspace
-
-PREVIOUS_TAG = "upstream-previous"
+from patchset.workspace import BASE_TAG, materialize_workspace
 
 
 @dataclass
 class RebaseResult:
-    """What happened: the new pin, the patches replayed, and where git stopped if it did."""
+    """What happened: the new pin, the patches replayed and dropped, and where git stopped if it did."""
 
     pin: Pin
     replayed: int
@@ -34,46 +32,18 @@ class RebaseResult:
     stopped_at: str | None
 
 
-def rebase(project: Path, version: str, sdist: Path | None = None, sha256: str | None = None) -> RebaseResult:
-    """Replay the series onto ``lightning==version`` in ``.work/tree`` and pin that release.
+def _subjects(workspace: Path) -> list[str]:
+    return out(workspace, "log", "--reverse", "--format=%s", f"{BASE_TAG}..HEAD").splitlines()
 
-    The new sdist comes from ``sdist`` or from pip; with ``sha256`` it must match, otherwise its hash is taken as
-    downloaded and written to the pin for review. It is fetched and checked first: a release that does not exist or
-    a wrong hash changes nothing. Then the workspace is made again (the one it replaces is kept, see
-    :func:`keep_previous_tree`). Commits whose change upstream already has are dropped; a conflict stops the rebase in
-    the workspace for the user to resolve (``git rebase --continue``), then ``export``.
+
+def rebase(project: Path, version: str, sdist: Path | None = None, sha256: str | None = None) -> RebaseResult:
+    """Replay the series onto ``lightning==version`` in ``.work/tree`` and pin that release (label ``patchset.1``).
+
+    The new sdist (``sdist``, else pip's) is fetched and checked against ``sha256`` first: a release that does not
+    exist or a wrong hash changes nothing. Commits whose change upstream has are dropped; on a conflict git stops in
+    the workspace, for the user to resolve (``git rebase --continue``), then ``export``.
     """
     old = read_pin(project)
-    path, actual = _new_release(old, version, sdist, sha256)
-    new = replace(old, version=version, sdist=path.name, sha256=actual, local_version="patchset.1")
-    workspace = materialize_workspace(project)  # refuses to replace work that was not exported
-    before = out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
-    subjects = {c: out(workspace, "log", "-1", "--format=%s", c) for c in before}
-    with tempfile.TemporaryDirectory() as tmp:
-        new_base = _commit_release(workspace, path, new, Path(tmp) / "release")
-    # upstream's own version.info moves with the release: hand it back to git for the replay
-    versions = [str(p.relative_to(workspace)) for p in sorted((workspace / "src").rglob("version.info"))]
-    git(workspace, "update-index", "--no-skip-worktree", *versions)
-    git(workspace, "checkout", "-q", "--", *versions)
-    git(workspace, "tag", "-f", PREVIOUS_TAG, BASE_TAG)
-    git(workspace, "tag", "-f", BASE_TAG, new_base)
-    write_pin(project, new)
-    proc = git(workspace, "rebase", "-q", "--onto", BASE_TAG, PREVIOUS_TAG, "main", check=False)
-    stopped_at = None
-    if proc.returncode != 0:
-        # git stopped on a conflict: REBASE_HEAD is the patch commit it could not replay
-        head = git(workspace, "log", "-1", "--format=%s", "REBASE_HEAD", check=False)
-        stopped_at = head.stdout.decode().strip() or proc.stderr.decode(errors="replace").strip()
-    else:
-        written = write_version(workspace, new)
-        git(workspace, "update-index", "--skip-worktree", *(str(p.relative_to(workspace)) for p in written))
-    after = {out(workspace, "log", "-1", "--format=%s", c) for c in _commits(workspace)}
-    dropped = [s for s in subjects.values() if s not in after] if stopped_at is None else []
-    return RebaseResult(new, len(after), dropped, stopped_at)
-
-
-def _new_release(old: Pin, version: str, sdist: Path | None, sha256: str | None) -> tuple[Path, str]:
-    """The new release's sdist in the cache, and its sha256; a short error before anything changed if there is none."""
     if sdist is not None and not sdist.is_file():
         raise PatchsetError(f"--sdist {sdist}: no such file")
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,19 +58,29 @@ def _new_release(old: Pin, version: str, sdist: Path | None, sha256: str | None)
         actual = file_sha256(path)
         if sha256 and actual != sha256.lower():
             raise PatchsetError(f"{path}: sha256 {actual} does not match the given {sha256}; nothing was changed")
-        return cache_sdist(path, actual), actual
-
-
-def _commits(workspace: Path) -> list[str]:
-    return out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
-
-
-def _commit_release(workspace: Path, sdist: Path, pin: Pin, scratch: Path) -> str:
-    """Record the new release's files as a commit whose parent is the old base; return its id."""
-    extract_sdist(sdist, scratch)
-    index = scratch.parent / "index"
-    env = {"GIT_INDEX_FILE": str(index)}
-    git(workspace, f"--work-tree={scratch}", "add", "-A", "-f", ".", env=env)
-    tree = git(workspace, "write-tree", env=env).stdout.decode().strip()
-    message = f"{pin.name} {pin.version} (upstream sdist {pin.sdist}, sha256 {pin.sha256})"
-    return git(workspace, "commit-tree", tree, "-p", BASE_TAG, "-m", message).stdout.decode().strip()
+        path = cache_sdist(path, actual)
+    new = replace(old, version=version, sdist=path.name, sha256=actual, local_version="patchset.1")
+    workspace = materialize_workspace(project)  # refuses to replace work that was not exported
+    before = _subjects(workspace)
+    with tempfile.TemporaryDirectory() as tmp:  # the new release as a commit on the old base
+        extract_sdist(path, Path(tmp) / "release")
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(workspace, f"--work-tree={Path(tmp) / 'release'}", "add", "-A", "-f", ".", env=env)
+        tree = git(workspace, "write-tree", env=env).stdout.decode().strip()
+    message = f"{new.name} {new.version} (upstream sdist {new.sdist}, sha256 {new.sha256})"
+    release = out(workspace, "commit-tree", tree, "-p", BASE_TAG, "-m", message)
+    # upstream's own version.info moves with the release: hand it back to git for the replay
+    versions = [str(p.relative_to(workspace)) for p in sorted((workspace / "src").rglob("version.info"))]
+    git(workspace, "update-index", "--no-skip-worktree", *versions)
+    git(workspace, "checkout", "-q", "--", *versions)
+    git(workspace, "tag", "-f", "upstream-previous", BASE_TAG)
+    git(workspace, "tag", "-f", BASE_TAG, release)
+    write_pin(project, new)
+    proc = git(workspace, "rebase", "-q", "--onto", BASE_TAG, "upstream-previous", "main", check=False)
+    if proc.returncode != 0:  # stopped on a conflict: REBASE_HEAD is the patch commit git could not replay
+        stopped = git(workspace, "log", "-1", "--format=%s", "REBASE_HEAD", check=False).stdout.decode().strip()
+        return RebaseResult(new, len(_subjects(workspace)), [], stopped or proc.stderr.decode(errors="replace").strip())
+    written = write_version(workspace, new.fork_version)
+    git(workspace, "update-index", "--skip-worktree", *(str(p.relative_to(workspace)) for p in written))
+    after = _subjects(workspace)
+    return RebaseResult(new, len(after), [s for s in before if s not in after], None)

@@ -1,11 +1,13 @@
-"""The workspace, ``.work/tree``: its path, lock, snapshot of ``patches/``, and the guards that keep work from loss.
+"""The workspace, ``.work/tree``: a git repository of the upstream base and one commit per patch, with the new files.
 
-It is made from the snapshot's patches, one commit each; its commits, formatted as ``git format-patch`` files, are
-what ``export`` writes back to ``patches/``.
+It owns its path and lock, the snapshot of ``patches/`` it was made from, the guards that keep unexported work from
+loss, its commits formatted as patch files, and the upstream-only sections of each commit, kept as a git note (under
+:data:`NOTES_REF`, which follows amend and rebase there) since the files they change are not in the sdist.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -17,17 +19,31 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.gitops import git, in_progress, out
-from patchset.materialize import BASE_TAG, make_workspace
-from patchset.sections import join_patch, read_note, split_patch
-from patchset.series import SERIES_FILE, series_files
+from patchset.gitops import am, git, out, refuse_busy
+from patchset.materialize import diagnose, write_version
+from patchset.overlay import lay_overlay
+from patchset.pin import Pin, extract_sdist, fetch_sdist, read_pin, sdist_files
+from patchset.series import (
+    SERIES_FILE,
+    Patch,
+    Section,
+    exclude_args,
+    join_patch,
+    read_series,
+    series_files,
+    split_patch,
+    upstream_only,
+)
 
 if sys.platform != "win32":
     import fcntl
 
 WORKSPACE = Path(".work") / "tree"
+BASE_TAG = "upstream"
+NOTES_REF = "refs/notes/patchset-upstream-only"
 SERIES = SERIES_FILE.name
-_FORMAT_ARGS = (
+# byte-stable patch files: no date (dropped below), zero commit ids, no diffstat, no signature, full blob ids
+_FORMAT: tuple[str, ...] = (
     "format-patch",
     "--stdout",
     "--no-stat",
@@ -35,41 +51,69 @@ _FORMAT_ARGS = (
     "--zero-commit",
     "--full-index",
     "--no-numbered",
-    "--subject-prefix=PATCH",
-    "--no-renames",
-    "--encode-email-headers",
-    "--always",  # a patch whose every section is upstream-only is an empty commit in the workspace
 )
+_FORMAT += ("--subject-prefix=PATCH", "--no-renames", "--encode-email-headers", "--always")
 
 
-def refuse_busy(workspace: Path, exists: bool = True) -> None:
-    """Refuse a workspace that is missing (with ``exists``) or in the middle of a rebase, ``git am`` or cherry-pick."""
-    if exists and not (workspace / ".git").is_dir():
-        raise PatchsetError(f"{workspace}: no workspace; run `materialize` first")
-    operation = in_progress(workspace)
-    if operation:
-        raise PatchsetError(f"{workspace} is in the middle of {operation}: finish or abort it first")
+def base_repo(pin: Pin, dest: Path) -> frozenset[str]:
+    """``dest`` as a git repository of the pinned sdist's files, one commit tagged ``upstream``; the files."""
+    sdist = fetch_sdist(pin)
+    extract_sdist(sdist, dest)
+    git(dest, "init", "-q")
+    git(dest, "symbolic-ref", "HEAD", "refs/heads/main")
+    git(dest, "add", "-A", "-f")
+    git(dest, "commit", "-q", "-m", f"{pin.name} {pin.version} (upstream sdist {pin.sdist}, sha256 {pin.sha256})")
+    git(dest, "tag", BASE_TAG)
+    git(dest, "config", "notes.rewriteRef", NOTES_REF)
+    return sdist_files(sdist)
+
+
+def apply_series(repo: Path, patches: list[Patch], shipped: frozenset[str], three_way: bool) -> Iterator[str | None]:
+    """Apply each patch as one commit (its upstream-only sections as the commit's note): ``None``, or why not."""
+    for patch in patches:
+        extra = upstream_only(patch, shipped)
+        args = ["-q", "--keep-cr", *(["-3"] if three_way else []), *exclude_args(extra)]
+        if am(repo, *args, str(patch.path)) is not None:
+            yield diagnose(repo, patch, exclude_args(extra))
+            continue
+        if extra:
+            blob = git(repo, "hash-object", "-w", "--stdin", input=b"".join(s.text for s in extra)).stdout
+            git(repo, "notes", f"--ref={NOTES_REF}", "add", "-f", "-C", blob.decode().strip(), "HEAD")
+        yield None
+
+
+def make_workspace(project: Path, repo: Path) -> None:
+    """A workspace repository at ``repo``: the base, a commit per patch, the new files linked in and ignored."""
+    patches = read_series(project)
+    for problem in apply_series(repo, patches, base_repo(read_pin(project), repo), three_way=True):
+        if problem:
+            raise PatchsetError(problem)
+    files = lay_overlay(project, repo, link=True)
+    ignored = "".join(f"/{f}\n" for f in files) + "__pycache__/\n*.pyc\n"
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    (repo / ".git" / "info" / "exclude").write_text("# the new files, linked in; what running code leaves\n" + ignored)
+    versions = write_version(repo, read_pin(project).fork_version)
+    git(repo, "update-index", "--skip-worktree", *(str(p.relative_to(repo)) for p in versions))
 
 
 def format_commit(repo: Path, commit: str) -> bytes:
-    """One commit as a patch file: no date, no commit id, no diffstat, no version signature.
-
-    The upstream-only sections kept in the commit's note are merged back in, in git's order.
-    """
-    text = git(repo, *_FORMAT_ARGS, "-1", commit).stdout
-    head, sep, body = text.partition(b"\n\n")
+    """One commit as a byte-stable patch file, with the upstream-only sections of its note merged in."""
+    head, sep, body = git(repo, *_FORMAT, "-1", commit).stdout.partition(b"\n\n")
     head = b"\n".join(line for line in head.split(b"\n") if not line.startswith(b"Date: "))
     message, sections = split_patch(head + sep + body)
-    extra = read_note(repo, commit)
-    paths = [s.path for s in sections + extra]
+    listed = git(repo, "notes", f"--ref={NOTES_REF}", "list", commit, check=False)
+    if listed.returncode == 0:  # squashing two commits joins their notes with a blank line, which no diff line can be
+        note = split_patch(git(repo, "cat-file", "blob", listed.stdout.decode().strip()).stdout)[1]
+        sections += [Section(s.path, s.text.rstrip(b"\n") + b"\n") for s in note]
+    paths = [s.path for s in sections]
     twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:
-        subject = out(repo, "log", "-1", "--format=%s", commit)
         raise PatchsetError(
-            f"{subject!r} holds two upstream-only sections for {', '.join(twice)} (two patches squashed?): combine"
-            " them on the PR branch (upstream-pr, edit, git commit --amend) and bring them back with import-pr"
+            f"{out(repo, 'log', '-1', '--format=%s', commit)!r} holds two upstream-only sections for"
+            f" {', '.join(twice)} (two patches squashed?): combine them on the PR branch and bring them back with"
+            " import-pr"
         )
-    return join_patch(message, sections + extra)
+    return join_patch(message, sections)
 
 
 def patch_name(position: int, subject: str) -> str:
@@ -78,27 +122,18 @@ def patch_name(position: int, subject: str) -> str:
     return f"{position:04d}-{slug}.patch"
 
 
-def _series_text(header_from: bytes | None, names: list[str]) -> bytes:
-    header = []
-    for line in (header_from or b"").decode("utf-8").splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line)
-    return ("\n".join([*header, *names]) + "\n").encode("utf-8")
-
-
 def planned_export(project: Path, workspace: Path) -> dict[str, bytes]:
     """The series file and patches that exporting ``workspace`` would write, by name."""
     refuse_busy(workspace)
-    commits = out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
     files = {}
-    for position, commit in enumerate(commits, 1):
+    for position, commit in enumerate(out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split(), 1):
         files[patch_name(position, out(workspace, "log", "-1", "--format=%s", commit))] = format_commit(
             workspace, commit
         )
-    current_series = project / "patches" / SERIES
-    header = current_series.read_bytes() if current_series.is_file() else None
-    return {SERIES: _series_text(header, list(files)), **files}
+    series = project / SERIES_FILE
+    lines = series.read_text(encoding="utf-8").splitlines() if series.is_file() else []
+    header = list(itertools.takewhile(lambda line: line.startswith("#"), lines))
+    return {SERIES: ("\n".join([*header, *files]) + "\n").encode("utf-8"), **files}
 
 
 def changed_names(old: dict[str, bytes], new: dict[str, bytes]) -> list[str]:
@@ -107,36 +142,27 @@ def changed_names(old: dict[str, bytes], new: dict[str, bytes]) -> list[str]:
 
 
 def snapshot_dir(workspace: Path) -> Path:
-    """Where the workspace keeps the patches it was materialized from."""
+    """Where the workspace keeps the patches it was made from."""
     return workspace / ".git" / "patchset-snapshot"
 
 
 def record_snapshot(project: Path, workspace: Path) -> None:
     """Remember ``patches/`` as the workspace now reflects it."""
-    target = snapshot_dir(workspace)
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
+    shutil.rmtree(snapshot_dir(workspace), ignore_errors=True)
+    snapshot_dir(workspace).mkdir(parents=True)
     for name, data in series_files(project / "patches").items():
-        (target / name).write_bytes(data)
+        (snapshot_dir(workspace) / name).write_bytes(data)
 
 
 def unexported_work(project: Path, workspace: Path) -> list[str]:
     """What the workspace holds that ``patches/`` (as it was when materialized) does not: edits not yet exported."""
     changes = changed_names(series_files(snapshot_dir(workspace)), planned_export(project, workspace))
-    if git(workspace, "status", "--porcelain").stdout.strip():
-        changes.append("uncommitted changes")
-    return changes
+    return changes + (["uncommitted changes"] if git(workspace, "status", "--porcelain").stdout.strip() else [])
 
 
 def materialize_workspace(project: Path, force: bool = False) -> Path:
-    """Make ``.work/tree``: a git repo with the upstream base, one commit per patch, our files linked in.
-
-    Refuses to replace a workspace holding work not exported yet, unless ``force``; the replaced workspace is kept
-    as ``.work/previous-tree`` either way.
-    """
+    """Make ``.work/tree``; refuse to replace unexported work unless ``force``. The old one is kept aside."""
     workspace = project / WORKSPACE
-    previous = workspace.with_name("previous-tree")
     workspace.parent.mkdir(parents=True, exist_ok=True)
     with _locked(workspace.parent / ".lock"):
         if workspace.exists() and not force:
@@ -144,7 +170,7 @@ def materialize_workspace(project: Path, force: bool = False) -> Path:
                 raise PatchsetError(
                     f"{workspace} exists but was not made by `materialize`: move it away or use --force"
                 )
-            refuse_busy(workspace, exists=False)
+            refuse_busy(workspace)
             pending = unexported_work(project, workspace)
             if pending:
                 raise PatchsetError(
@@ -152,28 +178,22 @@ def materialize_workspace(project: Path, force: bool = False) -> Path:
                     " or materialize with --force to set it aside"
                 )
         with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
-            repo = Path(tmp) / "tree"
-            make_workspace(project, repo)
-            record_snapshot(project, repo)
+            make_workspace(project, Path(tmp) / "tree")
+            record_snapshot(project, Path(tmp) / "tree")
             if workspace.exists():
                 keep_previous_tree(project)
-                os.rename(workspace, previous)
-            os.rename(repo, workspace)
+                os.rename(workspace, workspace.with_name("previous-tree"))
+            os.rename(Path(tmp) / "tree", workspace)
     return workspace
 
 
 def keep_previous_tree(project: Path) -> Path | None:
-    """Move an earlier ``.work/previous-tree`` aside as ``previous-tree-<UTC time>``, so no backup is overwritten.
-
-    ``materialize_workspace`` keeps the workspace it replaces as ``.work/previous-tree`` and calls this first.
-    Returns where the earlier backup went, if there was one.
-    """
+    """Move an earlier ``.work/previous-tree`` aside as ``previous-tree-<UTC time>``; where it went, if anywhere."""
     previous = (project / WORKSPACE).with_name("previous-tree")
     if not previous.exists() or not (project / WORKSPACE).exists():
         return None  # materialize will not replace it
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = previous.with_name(f"previous-tree-{stamp}")
-    n = 1
+    target, n = previous.with_name(f"previous-tree-{stamp}"), 1
     while target.exists():
         n += 1
         target = previous.with_name(f"previous-tree-{stamp}-{n}")

@@ -31,9 +31,11 @@ PRE_OPTIMIZER_STEP_KEY = "pre_optimizer_step"
 
 
 class _PreOptimizerStepState:
-    """Copies the state from before a batch's first optimizer step for one ``ModelCheckpoint`` and writes it in place
-    of the live state in the top-k files saved at the end of that batch, when the monitored value was logged before
-    that step."""
+    """The state from before a batch's first optimizer step, for one ``ModelCheckpoint``.
+
+    It is written in place of the live state in the top-k files saved at the end of that batch, when the monitored
+    value was logged before that step.
+    """
 
     def __init__(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
         self._checkpoint = checkpoint
