@@ -260,13 +260,15 @@ SELECTIONS = {  # what each kind of patch runs: the CPU suite of fabric; the par
 }
 EXTRAS = {"fabric": ["fabric-test"], "pytorch": ["pytorch-extra", "pytorch-test"]}  # upstream's, less CUDA-only ones
 CI_ENV = {"PACKAGE_NAME": "lightning", "FREEZE_REQUIREMENTS": "1"}  # as upstream's CI installs on a pull request
-# pytest with the default signal handlers, which a CI runner or a background shell may have changed (tests expect them)
-PYTEST = """import signal, sys, pytest
+# A pytest plugin (-p default_signals) that restores the default signal handlers, which a CI runner or a background
+# shell may have changed (upstream's tests of signal handling expect them). A plugin, not a wrapper script: Lightning's
+# launchers start the other ranks with the command line of the first, `python -m pytest ...`.
+DEFAULT_SIGNALS = """import signal
 for name in ("SIGHUP", "SIGINT", "SIGTERM", "SIGUSR1"):
     signal.signal(getattr(signal, name), signal.SIG_DFL)
-sys.exit(pytest.main(sys.argv[1:]))"""
-PYTEST_OPTIONS = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout=300", "-o", "junit_family=xunit1"]
-PYTEST_OPTIONS += ["-W", "ignore::DeprecationWarning"]
+"""
+PYTEST = ["python", "-m", "pytest", "-p", "default_signals", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+PYTEST += ["--timeout=300", "-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
 Cases = dict[str, records.Case]
 
 
@@ -348,6 +350,8 @@ class Upstream:
         """The selection, then its standalone tests one per process, as upstream's CI runs them; branch, then base."""
         unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("PL_", "PYTEST_", "COV_"))}
         env = {**unset, "PL_RUN_CUDA_TESTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+        (self.reports / "default_signals.py").write_text(DEFAULT_SIGNALS, encoding="utf-8")
+        env["PYTHONPATH"] = os.pathsep.join([str(self.reports), *filter(None, [os.environ.get("PYTHONPATH")])])
         failed_on_branch: list[str] = []
 
         def run(where: str) -> Cases:
@@ -356,7 +360,7 @@ class Upstream:
                 tests = [t for t in failed_on_branch if (self.onto / t.split("::")[0]).is_file()]
                 if not tests:
                     return {}
-            pytest = ["python", "-c", PYTEST, *PYTEST_OPTIONS, *options]
+            pytest = [*PYTEST, *options]
             report = self.reports / f"{where}.xml"
             self.session.run(*pytest, f"--junitxml={report}", *tests, env=env, success_codes=[0, 1])
             cases = records.read_junit(report, self.onto)
