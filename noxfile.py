@@ -212,7 +212,7 @@ def oldest(session: nox.Session) -> None:
 
 # What the lint session installs: the linters (newest, as ci-checks.yml always took them) and, for type-checking our
 # src/lightning modules against the fork's own code, the default session's torch.
-LINTERS = ["ruff", "mypy"]
+LINTERS = ["ruff", "mypy", "pyyaml", "types-PyYAML"]  # the tool's commands read upstream's issue forms with PyYAML
 LINT_TORCH = "2.13.0"
 
 MYPY_OUR_MODULES = """

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml  # type: ignore[import-untyped,unused-ignore]
+import yaml
 
 from patchset import PatchsetError
 from patchset.distribution import fork_url
