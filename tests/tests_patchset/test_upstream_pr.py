@@ -304,6 +304,9 @@ def test_a_branch_checked_out_in_another_worktree_is_not_recreated(demo_project:
     git(upstream_checkout, "worktree", "add", "-q", str(other), branch)
     with pytest.raises(PatchsetError, match=f"{branch} is checked out in the worktree {other}"):
         upstream_pr(demo_project, "2", upstream_checkout, force=True)
+    # a branch whose name only starts with the PR branch's is another branch
+    git(other, "checkout", "-q", "-b", f"{branch}-other")
+    assert upstream_pr(demo_project, "2", upstream_checkout, force=True) == branch
 
 
 def test_a_linked_worktree_is_cleaned_up_after_a_conflict(demo_project: Path, upstream_checkout: Path):

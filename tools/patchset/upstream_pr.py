@@ -109,7 +109,7 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
         raise PatchsetError(f"{onto}: branch {branch} exists; pass --force to recreate it from {base}")
     worktrees = out(onto, "worktree", "list", "--porcelain", isolated=False).split("\n\n")
     here = Path(out(onto, "rev-parse", "--show-toplevel", isolated=False)).resolve()
-    for tree in (t for t in worktrees if f"\nbranch refs/heads/{branch}" in t):
+    for tree in (t for t in worktrees if f"branch refs/heads/{branch}" in t.splitlines()):
         if (elsewhere := Path(tree.splitlines()[0].removeprefix("worktree ")).resolve()) != here:
             raise PatchsetError(
                 f"{branch} is checked out in the worktree {elsewhere}; switch it to another branch first"
@@ -159,7 +159,8 @@ def _restore(onto: Path, original: str, branch: str, previous: str | None) -> st
     git(onto, "clean", "-q", "-fd", check=False, isolated=False)
     git(onto, "checkout", "-q", "--detach", check=False, isolated=False)
     left = []
-    if git(onto, "branch", "-q", *(("-f", branch, previous) if previous else ("-D", branch)), check=False).returncode:
+    args = ("-f", branch, previous) if previous else ("-D", branch)
+    if git(onto, "branch", "-q", *args, check=False, isolated=False).returncode:
         left.append(f"branch {branch} could not be {'reset to ' + previous if previous else 'deleted'}")
     git(onto, "checkout", "-q", original, check=False, isolated=False)
     if git_path(onto, "rebase-apply", isolated=False).exists():
