@@ -1,3 +1,6 @@
+# /// script
+# dependencies = ["nox>=2025.2", "pyyaml>=6"]  # PyYAML: the upstream_* sessions read upstream's workflows
+# ///
 """The torch matrix: the fork's test suite against each supported torch release, one nox session per release.
 
 Each ``tests(torch='X')`` session makes a fresh venv (with the Python that runs nox), installs ``torch==X`` (plus
@@ -34,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import nox
+import yaml
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # nox itself requires tomli on Python 3.10
     import tomli as tomllib
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # the patch set's tool: standard library only
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # the patch set's tool, from this checkout
 from patchset import PatchsetError, records
 from patchset.build_label import build_pin
 from patchset.gitops import check_checkout, current_branch, git, out
@@ -152,11 +156,12 @@ def _check_and_test(session: nox.Session, torch: str, kind: str) -> None:
     started = time.monotonic()
     # the session's own coverage data file: the repository root stays clean and cells can run side by side
     try:
-        session.run(*command, f"--junitxml={report}", env={"COVERAGE_FILE": str(tmp / ".coverage")})
+        junit = [f"--junitxml={report}", "-o", "junit_family=xunit1"]  # xunit1: a case's file, hence its node id
+        session.run(*command, *junit, env={"COVERAGE_FILE": str(tmp / ".coverage")})
         code = 0
     except nox.command.CommandFailed:
         code = 1
-    cases = list(records.read_junit(report, ROOT).values())
+    cases = list(records.read_junit(report, ROOT, {str(Path.home()): "~"}).values())
     torch_version, python = str(session.run("python", "-c", PROBE, silent=True)).split()
     if session.posargs:  # a subset of the suite: run, but kept out of the table
         session.log("a subset of the suite: not recorded")
@@ -269,6 +274,7 @@ for name in ("SIGHUP", "SIGINT", "SIGTERM", "SIGUSR1"):
 """
 PYTEST = ["python", "-m", "pytest", "-p", "default_signals", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
 PYTEST += ["--timeout=300", "-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
+PYTHON = (".py", ".pyi", ".ipynb")  # the files the ruff hooks' `types_or: [python, pyi, jupyter]` select
 Cases = dict[str, records.Case]
 
 
@@ -297,7 +303,10 @@ def upstream_context(onto: Path, start: str, base: str) -> dict[str, Any]:
 
 
 class Upstream:
-    """One upstream job's run: the patch, the checkout, its PR branch and where the branch starts."""
+    """One upstream job's run: the patch, the checkout, its PR branch and where the branch starts.
+
+    A context manager: the checkout is put back on the branch it was on, whatever happens in the session.
+    """
 
     def __init__(self, session: nox.Session, job: str) -> None:
         parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --")
@@ -311,40 +320,53 @@ class Upstream:
         parser.add_argument("--base-runs", choices=["all", "failures"], default="failures", help=what)
         self.args, self.session, self.job = parser.parse_args(session.posargs), session, job
         self.onto: Path = self.args.onto.resolve()
+        self.reports = Path(session.create_tmp()).resolve()  # relative to the directory nox started in
+        self.started = time.monotonic()
         try:
             self.patch: Patch = find_patch(ROOT, self.args.patch)
+            prefix = self.patch.subject.split(":", 1)[0].strip()  # a fabric change the Trainer shares runs fabric's
+            packages = {prefix} & set(SELECTIONS) or {entry.package for entry in self.patch.changelog}
+            if len(packages) != 1:
+                raise PatchsetError(f"{self.patch.name}: its subject and Changelog fields name no one package")
+            self.package = packages.pop()
             check_checkout(self.onto)
             self.original = current_branch(self.onto)
+        except PatchsetError as err:
+            session.error(str(err))
+        self.selection = self.args.select or SELECTIONS[self.package]
+        # the sessions' own places, never written into a record: the checkout, the venv and the home folder
+        self.places = {str(self.onto): "<checkout>", str(session.virtualenv.location): "<venv>", str(Path.home()): "~"}
+
+    def __enter__(self) -> Upstream:
+        try:
             self.base = self.args.base or default_base(ROOT, self.patch, self.onto)
             self.branch = upstream_pr(
                 ROOT, self.args.patch, self.onto, base=self.base, force=True, author=self.args.author
             )
         except PatchsetError as err:
-            session.error(str(err))
+            self.session.error(str(err))
         self.start = out(self.onto, "rev-parse", f"{self.branch}~1", isolated=False)
-        prefix = self.patch.subject.split(":", 1)[0].strip()  # a fabric change with a Trainer entry runs fabric's jobs
-        self.package = prefix if prefix in SELECTIONS else next(iter({e.package for e in self.patch.changelog}))
-        self.selection = self.args.select or SELECTIONS[self.package]
-        self.reports = Path(session.create_tmp()).resolve()  # relative to the directory nox started in
-        self.started = time.monotonic()
-        session.chdir(self.onto)
+        self.session.chdir(self.onto)
         git(self.onto, "checkout", "-q", "--force", self.branch, isolated=False)  # the install reads the branch
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        git(self.onto, "checkout", "-q", "--force", self.original, isolated=False)
 
     def read(self, rel: str) -> Any:
-        """A YAML file of the checkout (PyYAML, imported here: only these sessions need it)."""
-        import yaml
-
+        """A YAML file of the checkout."""
         return yaml.safe_load((self.onto / rel).read_text(encoding="utf-8"))
 
+    def junit(self, report: Path) -> Cases:
+        """The cases of a JUnit XML report, without this machine's paths."""
+        return records.read_junit(report, self.onto, self.places)
+
     def both(self, run: Callable[[str], Cases]) -> tuple[Cases, Cases]:
-        """``run("branch")`` on the PR branch, then ``run("base")`` on its base; the checkout put back after."""
-        try:
-            git(self.onto, "checkout", "-q", "--force", self.branch, isolated=False)
-            branch = run("branch")
-            git(self.onto, "checkout", "-q", "--detach", self.start, isolated=False)
-            return branch, run("base")
-        finally:
-            git(self.onto, "checkout", "-q", "--force", self.original, isolated=False)
+        """``run("branch")`` on the PR branch, then ``run("base")`` on its base."""
+        git(self.onto, "checkout", "-q", "--force", self.branch, isolated=False)
+        branch = run("branch")
+        git(self.onto, "checkout", "-q", "--detach", self.start, isolated=False)
+        return branch, run("base")
 
     def tests(self, options: list[str]) -> tuple[Cases, Cases]:
         """The selection, then its standalone tests one per process, as upstream's CI runs them; branch, then base."""
@@ -363,14 +385,16 @@ class Upstream:
             pytest = [*PYTEST, *options]
             report = self.reports / f"{where}.xml"
             self.session.run(*pytest, f"--junitxml={report}", *tests, env=env, success_codes=[0, 1])
-            cases = records.read_junit(report, self.onto)
+            cases = self.junit(report)
+            if not cases:  # it died before it could report (or collected nothing): nothing to attribute
+                self.session.error(f"pytest reported no test of {' '.join(tests)} on the {where}")
             standalone = {**env, "PL_RUN_STANDALONE_TESTS": "1"}
             listed = self.session.run("python", "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                                       *tests, env=standalone, silent=True, success_codes=[0, 1, 5])  # fmt: skip
             for i, nodeid in enumerate(line.strip() for line in str(listed).splitlines() if "::" in line):
                 single = self.reports / f"{where}-standalone-{i}.xml"
                 self.session.run(*pytest, f"--junitxml={single}", nodeid, env=standalone, success_codes=range(-64, 256))
-                found = records.read_junit(single, self.onto)
+                found = self.junit(single)
                 cases.update(found or {nodeid: records.Case(nodeid, "failed", "crashed: pytest wrote no report")})
             failed_on_branch[:] = [c.id for c in cases.values() if c.outcome == "failed"]
             return cases
@@ -416,23 +440,21 @@ def _install_upstream(job: Upstream, constraints: list[str]) -> str:
 @nox.session(python="3.11")
 def upstream_newest(session: nox.Session) -> None:
     """Upstream's tests for what the patch touches, with the newest torch its requirements allow (or --torch)."""
-    job = Upstream(session, "newest")
-    pin = []
-    if job.args.torch:  # held through the whole install: upstream's requirements may not replace it
-        (job.reports / "torch.txt").write_text(f"torch=={job.args.torch}\n", encoding="utf-8")
-        pin = ["-c", str(job.reports / "torch.txt")]
-    job.record_tests(_install_upstream(job, pin), [])
+    with Upstream(session, "newest") as job:
+        pin = []
+        if job.args.torch:  # held through the whole install: upstream's requirements may not replace it
+            (job.reports / "torch.txt").write_text(f"torch=={job.args.torch}\n", encoding="utf-8")
+            pin = ["-c", str(job.reports / "torch.txt")]
+        job.record_tests(_install_upstream(job, pin), [])
 
 
-@nox.session(python="3.10")
-def upstream_oldest(session: nox.Session) -> None:
-    """The same tests as upstream's ``requires: "oldest"`` job runs them: every ``>=`` of its files pinned as ``==``."""
-    job = Upstream(session, "oldest")
+def _oldest_pins(job: Upstream) -> tuple[list[str], list[str]]:
+    """The files upstream's oldest job pins that the install reads, and their ``>=`` as ``==`` (``set-oldest``)."""
     workflow = job.read(f".github/workflows/ci-tests-{job.package}.yml")
     steps = next(iter(workflow["jobs"].values()))["steps"]
     python = next(str(s["with"]["python-version"]) for s in steps if "python-version" in s.get("with", {}))
-    if f"|| '{session.python}'" not in python:  # the oldest entry names no Python: it takes the expression's default
-        session.error(f"upstream's oldest job runs Python {python!r}, not {session.python}: update upstream_oldest")
+    if f"|| '{job.session.python}'" not in python:  # the oldest entry names no Python: it takes the default
+        job.session.error(f"upstream's oldest job runs Python {python!r}, not {job.session.python}: update the session")
     script = next(step["run"] for step in steps if "set-oldest" in step.get("run", ""))
     files = ast.literal_eval(re.search(r'--req_files "(\[[^\]]*\])"', script).group(1))  # type: ignore[union-attr]
     # only the files the install reads: base.txt and the extras' (a file it does not install pins nothing there, and
@@ -444,61 +466,75 @@ def upstream_oldest(session: nox.Session) -> None:
         if ">=" in spec and not spec.startswith(("#", "-")):  # set-oldest's str.replace(">=", "=="), markers too
             spec = re.sub(r"\[[^\]]*\]", "", spec.replace(">=", "==")).replace(" ", "")  # constraints name no extras
             pins.append(spec + (f"; {marker.strip().replace('>=', '==')}" if marker else ""))
-    (job.reports / "oldest.txt").write_text("\n".join(pins) + "\n", encoding="utf-8")
-    installed = _install_upstream(job, ["-c", str(job.reports / "oldest.txt")])
-    installed += f"; every `>=` of {', '.join(f'`{f}`' for f in read)} pinned as `==` (`set-oldest`)"
-    # prune_pytest_as_errors: the oldest job drops the filters that make future and deprecation warnings errors
-    config = tomllib.loads((job.onto / "pyproject.toml").read_text(encoding="utf-8"))
-    filters = config["tool"]["pytest"]["ini_options"].get("filterwarnings", [])
-    kept = [f for f in filters if "error::FutureWarning" not in f and "error::DeprecationWarning" not in f]
-    installed += ", pytest's `filterwarnings` without `error::FutureWarning` (`prune_pytest_as_errors`)"
-    job.record_tests(installed, ["-o", "filterwarnings=" + "\n".join(kept)])
+    return read, pins
+
+
+@nox.session(python="3.10")
+def upstream_oldest(session: nox.Session) -> None:
+    """The same tests as upstream's ``requires: "oldest"`` job runs them: every ``>=`` of its files pinned as ``==``."""
+    with Upstream(session, "oldest") as job:
+        read, pins = _oldest_pins(job)
+        (job.reports / "oldest.txt").write_text("\n".join(pins) + "\n", encoding="utf-8")
+        installed = _install_upstream(job, ["-c", str(job.reports / "oldest.txt")])
+        installed += f"; every `>=` of {', '.join(f'`{f}`' for f in read)} pinned as `==` (`set-oldest`)"
+        # prune_pytest_as_errors: the oldest job drops the filters that make future and deprecation warnings errors
+        config = tomllib.loads((job.onto / "pyproject.toml").read_text(encoding="utf-8"))
+        filters = config["tool"]["pytest"]["ini_options"].get("filterwarnings", [])
+        kept = [f for f in filters if "error::FutureWarning" not in f and "error::DeprecationWarning" not in f]
+        installed += ", pytest's `filterwarnings` without `error::FutureWarning` (`prune_pytest_as_errors`)"
+        job.record_tests(installed, ["-o", "filterwarnings=" + "\n".join(kept)])
 
 
 @nox.session(python="3.11")
 def upstream_mypy(session: nox.Session) -> None:
     """``code-checks.yml``'s mypy job: its install and its command; each error one JUnit test case."""
-    job = Upstream(session, "mypy")
-    steps = job.read(".github/workflows/code-checks.yml")["jobs"]["mypy"]["steps"]
-    install = next(step["run"] for step in steps if "pip install" in step.get("run", "")).splitlines()[0].strip()
-    command = next(step["run"] for step in steps if step.get("name") == "Check typing").split()
-    if command[:1] != ["mypy"]:
-        session.error(f"upstream's mypy step runs {command!r}, not `mypy ...`: update the upstream_mypy session")
-    session.install(*shlex.split(install.split("pip install", 1)[1]), env=CI_ENV)
-    cache = Path(session.virtualenv.location) / "mypy-cache"  # the base reuses what the branch run left
+    with Upstream(session, "mypy") as job:
+        steps = job.read(".github/workflows/code-checks.yml")["jobs"]["mypy"]["steps"]
+        install = next(step["run"] for step in steps if "pip install" in step.get("run", "")).splitlines()[0].strip()
+        command = next(step["run"] for step in steps if step.get("name") == "Check typing").split()
+        if command[:1] != ["mypy"]:
+            session.error(f"upstream's mypy step runs {command!r}, not `mypy ...`: update the upstream_mypy session")
+        session.install(*shlex.split(install.split("pip install", 1)[1]), env=CI_ENV)
+        cache = Path(session.virtualenv.location) / "mypy-cache"  # the base reuses what the branch run left
 
-    def run(where: str) -> Cases:
-        said = session.run(
-            "mypy", f"--cache-dir={cache}", "-O", "json", *command[1:], silent=True, success_codes=[0, 1]
+        def run(where: str) -> Cases:
+            said = session.run(
+                "mypy", f"--cache-dir={cache}", "-O", "json", *command[1:], silent=True, success_codes=[0, 1]
+            )
+            errors = [json.loads(line) for line in str(said).splitlines() if line.startswith("{")]
+            found = [(e["file"], e["code"] or "error", e["message"]) for e in errors if e["severity"] == "error"]
+            records.write_junit(job.reports / f"{where}.xml", "mypy", found)
+            return job.junit(job.reports / f"{where}.xml")
+
+        versions = (
+            f"mypy {_version_of(session, 'mypy')}, torch {_version_of(session, 'torch')}, Python {session.python}"
         )
-        errors = [json.loads(line) for line in str(said).splitlines() if line.startswith("{")]
-        found = [(e["file"], e["code"] or "error", e["message"]) for e in errors if e["severity"] == "error"]
-        records.write_junit(job.reports / f"{where}.xml", "mypy", found)
-        return records.read_junit(job.reports / f"{where}.xml", job.onto)
-
-    versions = f"mypy {_version_of(session, 'mypy')}, torch {_version_of(session, 'torch')}, Python {session.python}"
-    job.record(f"`{install}`: {versions}", f"`{' '.join(command)}` in the checkout", "the same command", *job.both(run))
+        command_text = f"`{' '.join(command)}` in the checkout"
+        job.record(f"`{install}`: {versions}", command_text, "the same command", *job.both(run))
 
 
 @nox.session(python="3.11")
 def upstream_ruff(session: nox.Session) -> None:
     """``ruff check`` and ``ruff format --check`` at the pre-commit hooks' version, on every tracked Python file."""
-    job = Upstream(session, "ruff")
-    hooks = job.read(".pre-commit-config.yaml")["repos"]
-    rev = next(repo["rev"] for repo in hooks if repo["repo"].endswith("/ruff-pre-commit")).lstrip("v")
-    session.install(f"ruff=={rev}")
+    with Upstream(session, "ruff") as job:
+        hooks = job.read(".pre-commit-config.yaml")["repos"]
+        rev = next(repo["rev"] for repo in hooks if repo["repo"].endswith("/ruff-pre-commit")).lstrip("v")
+        session.install(f"ruff=={rev}")
 
-    def run(where: str) -> Cases:
-        checked, formatted = job.reports / f"{where}.xml", job.reports / f"{where}-format.xml"
-        # `.`: the files ruff finds in the clean checkout are the tracked ones, and its configuration excludes the rest
-        session.run("ruff", "check", "--no-cache", "--no-fix", "--output-format=junit", f"--output-file={checked}", ".",
-                    success_codes=[0, 1])  # fmt: skip
-        said = session.run("ruff", "format", "--no-cache", "--check", ".", silent=True, success_codes=[0, 1])
-        unformatted = [line.removeprefix("Would reformat: ") for line in str(said).splitlines()]
-        findings = [(f, "format", "would be reformatted") for f in unformatted if f.endswith((".py", ".pyi", ".ipynb"))]
-        records.write_junit(formatted, "ruff format", findings)
-        return {**records.read_junit(checked, job.onto), **records.read_junit(formatted, job.onto)}
+        def run(where: str) -> Cases:
+            checked, formatted = job.reports / f"{where}.xml", job.reports / f"{where}-format.xml"
+            # `.`: the files ruff finds in the clean checkout are the tracked ones; its configuration excludes the rest
+            session.run("ruff", "check", "--no-cache", "--no-fix", "--output-format=junit", f"--output-file={checked}",
+                        ".", success_codes=[0, 1])  # fmt: skip
+            said = session.run("ruff", "format", "--no-cache", "--check", ".", silent=True, success_codes=[0, 1])
+            unformatted = [line.removeprefix("Would reformat: ") for line in str(said).splitlines()]
+            findings = [(f, "format", "would be reformatted") for f in unformatted if f.endswith(PYTHON)]
+            records.write_junit(formatted, "ruff format", findings)
+            cases = {**job.junit(checked), **job.junit(formatted)}
+            return {key: case for key, case in cases.items() if case.outcome != "passed"}  # ruff's "No errors found"
 
-    command = "`ruff check .` and `ruff format --check .` in the checkout, as `pre-commit run --all-files` runs them"
-    job.record(f"ruff {rev} (`.pre-commit-config.yaml`'s `ruff-pre-commit` rev)", command, "the same command",
-               *job.both(run))  # fmt: skip
+        command = (
+            "`ruff check .` and `ruff format --check .` in the checkout, as `pre-commit run --all-files` runs them"
+        )
+        job.record(f"ruff {rev} (`.pre-commit-config.yaml`'s `ruff-pre-commit` rev)", command, "the same command",
+                   *job.both(run))  # fmt: skip

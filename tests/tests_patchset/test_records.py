@@ -92,16 +92,29 @@ def test_a_failure_is_the_patch_s_unless_the_base_has_as_many(tmp_path: Path):
 
 
 def test_ruff_s_junit_and_the_findings_the_sessions_write(tmp_path: Path):
-    write(tmp_path / "pkg/mod.py", "import os\n")
+    write(tmp_path / "pkg/mod.py", "import sys\n\n\ndef f():\n    import os\n\n\ndef g():\n    import os\n")
     report = tmp_path / "ruff.xml"
     cmd = [sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select", "F401", "--output-format"]
     proc = subprocess.run([*cmd, "junit", f"--output-file={report}", "."], cwd=tmp_path, capture_output=True)
     if b"No module named ruff" in proc.stderr:
         pytest.skip("ruff is not installed here")
-    assert list(read_junit(report, tmp_path)) == ["pkg/mod::org.ruff.F401"]  # ruff's classname: the file, less .py
-    write_junit(tmp_path / "mypy.xml", "mypy", [("pkg/mod.py", "return-value", "Incompatible | types")])
-    (case,) = read_junit(tmp_path / "mypy.xml", tmp_path).values()
-    assert case == Case("pkg/mod.py::return-value", "failed", "Incompatible | types")
+    # ruff's classname is the file less `.py`; a finding's id has its message, and a second of the same is counted
+    assert list(read_junit(report, tmp_path)) == [
+        "pkg/mod::org.ruff.F401: `sys` imported but unused",
+        "pkg/mod::org.ruff.F401: `os` imported but unused",
+        "pkg/mod::org.ruff.F401: `os` imported but unused #2",
+    ]
+    write_junit(tmp_path / "mypy.xml", "mypy", [("pkg/mod.py", "return-value", f"Incompatible {Path.home()}/x")])
+    (case,) = read_junit(tmp_path / "mypy.xml", tmp_path, {str(Path.home()): "~"}).values()
+    assert case == Case("pkg/mod.py::return-value: Incompatible ~/x", "failed", "Incompatible ~/x")
+
+
+def test_a_patch_that_adds_a_second_finding_of_a_kind_the_base_has_caused_it(tmp_path: Path):
+    finding = ("src/a.py", "arg-type", "Argument 1 has incompatible type")
+    write_junit(tmp_path / "branch.xml", "mypy", [finding, finding, ("src/a.py", "arg-type", "another message")])
+    write_junit(tmp_path / "base.xml", "mypy", [finding])
+    branch, base = read_junit(tmp_path / "branch.xml"), read_junit(tmp_path / "base.xml")
+    assert [f["caused"] for f in attribute(branch.values(), base.values())] == [False, True, True]
 
 
 def _upstream_record(patch, job: str, **fields) -> dict:

@@ -173,7 +173,7 @@ def _second_patch(project: Path, upstream: Path, subject: str, depends: str | No
 def test_import_pr_of_a_stacked_patch_takes_only_its_own_change(demo: Path, upstream: Path):
     first = read_series(demo)[1].name
     _second_patch(demo, upstream, "stacked", first, "# stacked\n")
-    upstream_pr(demo, "2", upstream, force=True)  # the PR it stacks on is made again (upstream-tests does this)
+    upstream_pr(demo, "2", upstream, force=True)  # the PR it stacks on is made again (each upstream_* session does)
     git(upstream, "checkout", "-q", "main")
     result = import_pr(demo, "3", upstream)
     assert result["upstream-only"] == [CONFTEST]

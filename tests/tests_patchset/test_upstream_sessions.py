@@ -53,8 +53,8 @@ def test_upstream_ruff_records_each_finding_of_the_branch_and_whether_the_base_h
     (record,) = load(project, "upstream-tests").values()
     failures = {f["id"]: f["caused"] for f in record["failures"]}
     assert failures == {
-        "src/lightning/fabric/utilities/__init__::org.ruff.F401": True,
-        "src/lightning/fabric/utilities/_old::org.ruff.F401": False,
+        "src/lightning/fabric/utilities/__init__::org.ruff.F401: `os` imported but unused": True,
+        "src/lightning/fabric/utilities/_old::org.ruff.F401: `os` imported but unused": False,
     }
     assert (record["job"], record["caused"], record["local_commits"]) == (
         "ruff", 1, ["not checked: the checkout has no remote to compare with"],
@@ -62,4 +62,6 @@ def test_upstream_ruff_records_each_finding_of_the_branch_and_whether_the_base_h
     assert git(onto, "status", "--porcelain") == ""
     assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == "main"  # the checkout is left on its branch
     page = (project / "docs/upstream-tests.md").read_text(encoding="utf-8")
-    assert "| `src/lightning/fabric/utilities/__init__::org.ruff.F401` | **the patch** |" in page
+    assert (
+        "| `src/lightning/fabric/utilities/__init__::org.ruff.F401: `os` imported but unused` | **the patch** |" in page
+    )

@@ -12,7 +12,7 @@ from patchset.gitops import default_branch, git, verify
 from patchset.lint import lint
 from patchset.overlay import lay_overlay, overlay_files
 from patchset.pin import read_pin
-from patchset.series import find_patch, read_series
+from patchset.series import find_patch, read_series, upstream_only
 from patchset.workspace import apply_series, base_repo, format_commit
 
 
@@ -36,18 +36,16 @@ def check(project: Path) -> list[Finding]:
         repo = Path(tmp) / "tree"
         shipped = base_repo(pin, repo)
         for patch, problem in zip(patches, apply_series(repo, patches, shipped, three_way=False), strict=True):
-            exported = format_commit(repo, "HEAD") if problem is None else b""
-            diff = patch.data.partition(b"\ndiff --git ")[2]
+            exported = format_commit(repo, "HEAD") if problem is None else patch.data
+            hunks = [re.findall(rb"(?m)^@@ .*$", data) for data in (exported, patch.data)]
+            extra = upstream_only(patch, shipped)
             if problem is not None:
                 findings.append(Finding(patch.name, False, problem))
             elif exported != patch.data:
-                what = (
-                    "only with offsets" if exported.partition(b"\ndiff --git ")[2] != diff else "not in exported form"
-                )
+                what = "only with offsets" if hunks[0] != hunks[1] else "not in exported form"
                 findings.append(Finding(patch.name, False, f"{patch.name} applies, but {what}: re-run `export`"))
             else:
-                extra = len([s for s in patch.sections if s.path not in shipped and not s.creates_file])
-                note = f" ({extra} upstream-only sections kept for upstream-pr)" if extra else ""
+                note = f" ({len(extra)} upstream-only sections kept for upstream-pr)" if extra else ""
                 findings.append(
                     Finding(patch.name, True, f"{patch.name} applies to {pin.name} {pin.version} exactly{note}")
                 )

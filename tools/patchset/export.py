@@ -9,7 +9,7 @@ from pathlib import Path
 from patchset import PatchsetError
 from patchset.gitops import git, refuse_busy
 from patchset.pin import fetch_sdist, read_pin, sdist_files
-from patchset.series import series_files, split_patch
+from patchset.series import parse_patch, series_files
 from patchset.workspace import (
     NOTES_REF,
     SERIES,
@@ -44,20 +44,15 @@ def diff_text(old: dict[str, bytes], new: dict[str, bytes]) -> str:
 def _lost_sections(before: dict[str, bytes], after: dict[str, bytes], shipped: frozenset[str]) -> list[str]:
     """Upstream-only sections that a patch, matched by subject, had and would lose (a commit recreated without note)."""
 
-    def by_subject(files: dict[str, bytes]) -> dict[bytes, set[str]]:
-        found = {}
-        for name, data in files.items():
-            if name != SERIES:
-                head, sections = split_patch(data)
-                subject = next((line for line in head.split(b"\n") if line.startswith(b"Subject:")), b"")
-                found[subject] = {s.path for s in sections if s.path not in shipped}
-        return found
+    def by_subject(files: dict[str, bytes]) -> dict[str, set[str]]:
+        patches = [parse_patch(Path(name), data) for name, data in files.items() if name != SERIES]
+        return {p.subject: {s.path for s in p.sections if s.path not in shipped} for p in patches}
 
     old, new = by_subject(before), by_subject(after)
     lost = [
         (subject, paths - new[subject]) for subject, paths in old.items() if subject in new and paths - new[subject]
     ]
-    return [f"{s.decode(errors='replace').removeprefix('Subject: [PATCH] ')}: {', '.join(sorted(p))}" for s, p in lost]
+    return [f"{subject}: {', '.join(sorted(paths))}" for subject, paths in lost]
 
 
 def export(project: Path, force: bool = False) -> list[str]:

@@ -47,7 +47,8 @@ def git(
     except FileNotFoundError as err:
         raise PatchsetError("git is required but was not found on PATH") from err
     if check and proc.returncode != 0:
-        raise PatchsetError(f"`git {' '.join(args)}` failed in {repo}: {proc.stderr.decode(errors='replace').strip()}")
+        said = "; ".join(line.strip() for line in proc.stderr.decode(errors="replace").splitlines() if line.strip())
+        raise PatchsetError(f"`git {' '.join(args)}` failed in {repo}: {said}")
     return proc
 
 

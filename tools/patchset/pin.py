@@ -59,7 +59,7 @@ def read_pin(project: Path) -> Pin:
             values[key] = value
     missing = [key for key in _KEYS if key not in values]
     if missing:
-        raise PatchsetError(f"{path}: missing {', '.join(missing)}")
+        raise PatchsetError(f"{path}: missing {', '.join(missing)}: add a `key = value` line for each")
     sha = values["sha256"].lower()
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise PatchsetError(f"{path}: sha256 must be 64 hex digits, got {values['sha256']!r}")

@@ -48,11 +48,14 @@ class Case:
     reason: str = ""
 
 
-def read_junit(path: Path, root: Path | None = None) -> dict[str, Case]:
-    """The cases of a JUnit XML report by id: a pytest node id (``file::Class::name``), else ``classname::name``.
+def read_junit(path: Path, root: Path | None = None, places: dict[str, str] | None = None) -> dict[str, Case]:
+    """The cases of a JUnit XML report by id; paths under ``root`` relative, each of ``places`` replaced by its name.
 
-    Paths under ``root`` become relative, and ``<checkout>`` in reasons. An error in teardown keeps the failure.
+    A test's id is its pytest node id (``file::Class::name``); an error in its teardown keeps its failure. A check's
+    finding (a case with no file: ruff's, mypy's) is ``classname::name: message``, and each further one of that id is
+    counted (``#2``), so that two findings of a kind are two, whatever lines they are on.
     """
+    places = {**(places or {}), **({str(root): "<checkout>"} if root else {})}
     cases: dict[str, Case] = {}
     for element in ET.parse(path).iter("testcase") if path.is_file() else ():
         outcome, reason = "passed", ""
@@ -62,9 +65,15 @@ def read_junit(path: Path, root: Path | None = None) -> dict[str, Case]:
                 text = (child.get("message") or child.text or child.tag).strip()
                 reason = text.splitlines()[0][:200] if text else child.tag
                 break
+        for place, name in sorted(places.items(), key=lambda item: -len(item[0])):
+            reason = reason.replace(place, name)
         case_id = _case_id(element).removeprefix(f"{root}/" if root else "\0")
+        if element.get("file") is None and outcome == "failed":
+            case_id += f": {reason}"
+            seen = sum(key == case_id or key.startswith(case_id + " #") for key in cases)
+            case_id += f" #{seen + 1}" if seen else ""
         if cases.get(case_id, Case(case_id, "")).outcome != "failed":
-            cases[case_id] = Case(case_id, outcome, reason.replace(str(root), "<checkout>") if root else reason)
+            cases[case_id] = Case(case_id, outcome, reason)
     return cases
 
 

@@ -142,7 +142,10 @@ class Patch:
     @functools.cached_property
     def sections(self) -> list[Section]:
         """The patch's per-file sections."""
-        return split_patch(self.data)[1]
+        try:
+            return split_patch(self.data)[1]
+        except PatchsetError as err:
+            raise PatchsetError(f"{self.name}: {err}") from None
 
 
 def parse_patch(path: Path, data: bytes | None = None) -> Patch:

@@ -116,12 +116,12 @@ def upstream_pr(project: Path, ref: str, onto: Path, branch: str | None = None, 
             )
     original = current_branch(onto)
     git(onto, "checkout", "-q", "-B" if force else "-b", branch, start, isolated=False)
-    git(onto, "update-ref", f"{START_REFS}{branch}", start, isolated=False)  # import-pr diffs against it
     try:
         _commit(project, patch, onto, new_files, who)
     except PatchsetError as err:
         left = _restore(onto, original, branch, previous)
         raise PatchsetError(f"{err}\nand {onto} could not be put back: {left}" if left else str(err)) from err
+    git(onto, "update-ref", f"{START_REFS}{branch}", start, isolated=False)  # import-pr diffs against it
     return branch
 
 
