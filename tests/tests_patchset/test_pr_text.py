@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import PR_TEMPLATE, REPO, copy_project, git, write
+from patchset_helpers import PR_TEMPLATE, REPO, copy_project, git, upstream_record, write
 
 from patchset import PatchsetError
 from patchset.distribution import fork_url
@@ -21,7 +21,7 @@ from patchset.pr_text import (
     form_fields,
     unanswered,
 )
-from patchset.records import JOBS, add, blob_hash
+from patchset.records import JOBS, add
 from patchset.series import read_series
 from patchset.workspace import base_repo
 
@@ -75,18 +75,6 @@ def test_the_benchmark_line_links_the_tables_benchmark_pages_in_the_fork():
             assert lines == []
 
 
-def _record(patch, job: str, failed: int) -> dict:
-    """A record of one of upstream's jobs on the patch as it is, with ``failed`` failures the base does not have."""
-    failures = [{"id": f"tests/test_{i}.py::test", "reason": "AssertionError", "caused": True} for i in range(failed)]
-    return {
-        "key": f"{patch.name} {job}", "patch": patch.name, "job": job, "blob": blob_hash(patch.path),
-        "upstream": "1" * 40, "upstream_subject": "upstream", "local_commits": [], "installed": "torch 2.9.1",
-        "command": "pytest tests", "base_runs": "the same selection", "seconds": 60, "caused": failed,
-        "branch": {"passed": 1, "failed": failed, "skipped": 0}, "base": {"passed": 1, "failed": 0, "skipped": 0},
-        "failures": failures,
-    }  # fmt: skip
-
-
 def _tests_line(text: str) -> str:
     (line,) = [line for line in text.splitlines() if "**existing tests pass**" in line]
     return line
@@ -101,12 +89,14 @@ def test_the_tests_item_is_ticked_only_when_every_job_is_recorded_on_this_patch_
     assert "newest torch allowed: not recorded for this version of the patch" in line
 
     for job in JOBS:
-        add(project, "upstream-tests", _record(patch, job, failed=0))
+        add(project, "upstream-tests", upstream_record(patch, job))
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [x] ")
     assert "0 caused by this PR" in line
 
-    add(project, "upstream-tests", _record(patch, "oldest", failed=1))
+    failure = {"id": "tests/test_a.py::test", "reason": "AssertionError", "caused": True}
+    branch = {"passed": 1, "failed": 1, "skipped": 0}
+    add(project, "upstream-tests", upstream_record(patch, "oldest", branch=branch, failures=[failure], caused=1))
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [ ] ")
     assert "oldest requirements: 1 passed, 1 failed, 0 skipped, 1 caused by this PR" in line

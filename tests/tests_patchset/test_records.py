@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REPO, write
+from patchset_helpers import REPO, upstream_record, write
 
 from patchset.records import (
     JOBS,
@@ -117,17 +117,6 @@ def test_a_patch_that_adds_a_second_finding_of_a_kind_the_base_has_caused_it(tmp
     assert [f["caused"] for f in attribute(branch.values(), base.values())] == [False, True, True]
 
 
-def _upstream_record(patch, job: str, **fields) -> dict:
-    record = {
-        "key": f"{patch.name} {job}", "patch": patch.name, "job": job, "blob": blob_hash(patch.path),
-        "upstream": "1" * 40, "upstream_subject": "upstream", "local_commits": [], "installed": "torch 2.9.1",
-        "command": "pytest tests", "base_runs": "the same selection", "seconds": 600, "caused": 0,
-        "branch": {"passed": 3, "failed": 0, "skipped": 1}, "base": {"passed": 3, "failed": 0, "skipped": 1},
-        "failures": [],
-    }  # fmt: skip
-    return {**record, **fields}
-
-
 def test_the_page_keeps_its_prose_and_groups_failures_from_the_environment(tmp_path: Path):
     patch = read_series(REPO)[1]
     page = write(tmp_path / "docs/upstream-tests.md", "# Prose\n\nBy hand.\n")
@@ -136,7 +125,7 @@ def test_the_page_keeps_its_prose_and_groups_failures_from_the_environment(tmp_p
     reason = "No checkpoints found in folder <checkout>/tests/legacy/checkpoints/1.0"
     legacy = [{"id": f"t.py::test_{i}", "reason": reason, "caused": False} for i in range(3)]
     failures = [*legacy, {"id": "t.py::test_new", "reason": "AssertionError: x | y", "caused": True}]
-    add(tmp_path, "upstream-tests", _upstream_record(patch, "newest", failures=failures, caused=1))
+    add(tmp_path, "upstream-tests", upstream_record(patch, "newest", failures=failures, caused=1))
     text = page.read_text()
     assert text.startswith("# Prose\n\nBy hand.\n")
     assert text.endswith("## After the tables\n\nAlso by hand.\n")
