@@ -10,7 +10,7 @@ import pytest
 from patchset_helpers import REPO, TOOLS, write
 
 from patchset import PatchsetError
-from patchset.pin import SDIST_ENV, cache_dir, fetch_sdist, file_sha256, read_pin
+from patchset.pin import SDIST_ENV, cache_dir, extract_sdist, fetch_sdist, file_sha256, read_pin
 
 
 def test_pin_names_the_fork_version(project: Path):
@@ -142,3 +142,15 @@ def test_python_before_3_10_gets_one_line_instead_of_a_traceback():
         f"lightning (the Lightning patch set's fork of Lightning 2.6) requires Python >= 3.10; this is Python"
         f" {sys.version.split()[0]}"
     ]
+
+
+def test_an_interpreter_without_tars_data_filter_extracts_files_the_user_owns(upstream_sdist, tmp_path, monkeypatch):
+    """Before Python 3.10.12 and 3.11.4, ``extractall`` as root gives files the archive's owners (uid 1001 here),
+    and git then refuses the repository made of them ("dubious ownership")."""
+    monkeypatch.delattr(tarfile, "data_filter")
+    extract_sdist(upstream_sdist, tmp_path / "tree")
+    owners = {path.stat().st_uid for path in [tmp_path / "tree", *(tmp_path / "tree").rglob("*")]}
+    assert owners == {os.getuid()}
+    subprocess.run(["git", "-C", str(tmp_path / "tree"), "init", "-q"], check=True)
+    status = subprocess.run(["git", "-C", str(tmp_path / "tree"), "status"], capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr

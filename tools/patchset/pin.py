@@ -169,8 +169,13 @@ def sdist_files(sdist: Path) -> frozenset[str]:
 def extract_sdist(sdist: Path, dest: Path) -> None:
     """Unpack ``sdist`` so that its single top-level folder's contents land directly in ``dest``."""
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp, tarfile.open(sdist) as tar:
-        # the "data" filter refuses links and paths that leave the folder (the archive's hash was checked already)
-        tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # type: ignore[arg-type]
+        if hasattr(tarfile, "data_filter"):  # refuses links and paths that leave the folder, and the archive's owners
+            tar.extractall(tmp, filter="data")
+        else:  # Python before 3.10.12 and 3.11.4 (the hash was checked): as root it would keep the archive's owners,
+            members = tar.getmembers()  # and git refuses a repository someone else owns
+            for member in members:
+                member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
+            tar.extractall(tmp, members=members)
         roots = list(Path(tmp).iterdir())
         if len(roots) != 1 or not roots[0].is_dir():
             raise PatchsetError(f"{sdist}: expected one top-level folder in the sdist, found {len(roots)} entries")
