@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nox
 import yaml
@@ -215,9 +215,11 @@ def oldest(session: nox.Session) -> None:
     _check_and_test(session, OLDEST, "oldest")
 
 
-# What the lint session installs: the linters (newest, as ci-checks.yml always took them) and, for type-checking our
-# src/lightning modules against the fork's own code, the default session's torch.
-LINTERS = ["ruff", "mypy", "pyyaml", "types-PyYAML"]  # the tool's commands read upstream's issue forms with PyYAML
+# What the lint session installs: the linters, pinned (each new release of either has new rules, which broke this
+# session while they were taken newest), PyYAML (the tool's commands read upstream's issue forms) with its stubs,
+# pytest (which the rerun plugin imports: mypy reads its types), and, for type-checking our src/lightning modules
+# against the fork's own code, the default session's torch.
+LINTERS = ["ruff==0.17.6", "mypy==2.4.1", "pyyaml", "types-PyYAML", "pytest"]
 LINT_TORCH = "2.13.0"
 
 MYPY_OUR_MODULES = """
@@ -276,6 +278,7 @@ PYTEST = ["python", "-m", "pytest", "-p", "default_signals", "-q", "-p", "no:cac
 PYTEST += ["--timeout=300", "-o", "junit_family=xunit1", "-W", "ignore::DeprecationWarning"]
 PYTHON = (".py", ".pyi", ".ipynb")  # the files the ruff hooks' `types_or: [python, pyi, jupyter]` select
 Cases = dict[str, records.Case]
+T = TypeVar("T")
 
 
 def upstream_context(onto: Path, start: str, base: str) -> dict[str, Any]:
@@ -296,7 +299,7 @@ def upstream_context(onto: Path, start: str, base: str) -> dict[str, Any]:
             described.append(f"`{sha[:12]}` deletes {', '.join(f'`{path}`' for path in deleted)}, nothing else")
         else:
             subject = out(onto, "log", "-1", "--format=%s", sha, isolated=False)
-            described.append(f"`{sha[:12]}` {subject} ({len(changes)} files changed)")
+            described.append(f"`{sha[:12]}` {subject} ({len(changes)} file{'' if len(changes) == 1 else 's'} changed)")
     upstream = out(onto, "rev-parse", f"{local[0]}^", isolated=False) if local else start
     subject = out(onto, "log", "-1", "--format=%s", upstream, isolated=False)
     return {"upstream": upstream, "upstream_subject": subject, "local_commits": described}
@@ -324,10 +327,17 @@ class Upstream:
         self.started = time.monotonic()
         try:
             self.patch: Patch = find_patch(ROOT, self.args.patch)
+            if not self.patch.upstreamable:
+                raise PatchsetError(
+                    f"{self.patch.name} is fork packaging (Forwarded: not-needed): it has no PR to test"
+                )
             prefix = self.patch.subject.split(":", 1)[0].strip()  # a fabric change the Trainer shares runs fabric's
             packages = {prefix} & set(SELECTIONS) or {entry.package for entry in self.patch.changelog}
             if len(packages) != 1:
-                raise PatchsetError(f"{self.patch.name}: its subject and Changelog fields name no one package")
+                raise PatchsetError(
+                    f"{self.patch.name}: its subject names no package (`fabric:` or `pytorch:`) and its Changelog"
+                    " fields name none or both: name it in the subject"
+                )
             self.package = packages.pop()
             check_checkout(self.onto)
             self.original = current_branch(self.onto)
@@ -353,9 +363,14 @@ class Upstream:
     def __exit__(self, *exc: object) -> None:
         git(self.onto, "checkout", "-q", "--force", self.original, isolated=False)
 
-    def read(self, rel: str) -> Any:
-        """A YAML file of the checkout."""
-        return yaml.safe_load((self.onto / rel).read_text(encoding="utf-8"))
+    def read(self, rel: str, what: str, find: Callable[[Any], T]) -> T:
+        """``find`` applied to a YAML file of the checkout; one error naming the file and ``what`` if it fails."""
+        try:
+            return find(yaml.safe_load((self.onto / rel).read_text(encoding="utf-8")))
+        except (OSError, yaml.YAMLError, LookupError, StopIteration, AttributeError, TypeError, ValueError) as err:
+            self.session.error(
+                f"{rel} no longer has {what} ({type(err).__name__}: {err}): update the {self.session.name} session"
+            )
 
     def junit(self, report: Path) -> Cases:
         """The cases of a JUnit XML report, without this machine's paths."""
@@ -376,23 +391,31 @@ class Upstream:
         env["PYTHONPATH"] = os.pathsep.join([str(self.reports), *filter(None, [os.environ.get("PYTHONPATH")])])
         failed_on_branch: list[str] = []
 
+        def collect(tests: list[str], env: dict[str, str | None]) -> list[str]:
+            listed = self.session.run("python", "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                                      *tests, env=env, silent=True, success_codes=[0, 1, 5])  # fmt: skip
+            return [line.strip() for line in str(listed).splitlines() if "::" in line]
+
         def run(where: str) -> Cases:
             tests = self.selection
             if where == "base" and self.args.base_runs == "failures":  # a test the patch adds is not on the base
-                tests = [t for t in failed_on_branch if (self.onto / t.split("::")[0]).is_file()]
+                files = sorted({t.split("::")[0] for t in failed_on_branch if (self.onto / t.split("::")[0]).is_file()})
+                tests = [t for t in failed_on_branch if t in set(collect(files, env))] if files else []
                 if not tests:
                     return {}
             pytest = [*PYTEST, *options]
             report = self.reports / f"{where}.xml"
+            report.unlink(
+                missing_ok=True
+            )  # a report left by an earlier run of a reused venv (`nox -r`) is not this one
             self.session.run(*pytest, f"--junitxml={report}", *tests, env=env, success_codes=[0, 1])
             cases = self.junit(report)
             if not cases:  # it died before it could report (or collected nothing): nothing to attribute
                 self.session.error(f"pytest reported no test of {' '.join(tests)} on the {where}")
             standalone = {**env, "PL_RUN_STANDALONE_TESTS": "1"}
-            listed = self.session.run("python", "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                                      *tests, env=standalone, silent=True, success_codes=[0, 1, 5])  # fmt: skip
-            for i, nodeid in enumerate(line.strip() for line in str(listed).splitlines() if "::" in line):
+            for i, nodeid in enumerate(collect(tests, standalone)):
                 single = self.reports / f"{where}-standalone-{i}.xml"
+                single.unlink(missing_ok=True)
                 self.session.run(*pytest, f"--junitxml={single}", nodeid, env=standalone, success_codes=range(-64, 256))
                 found = self.junit(single)
                 cases.update(found or {nodeid: records.Case(nodeid, "failed", "crashed: pytest wrote no report")})
@@ -405,6 +428,18 @@ class Upstream:
         """Add the job's record; the session fails if the patch caused a failure."""
         failures = records.attribute(branch.values(), base.values())
         caused = sum(f["caused"] for f in failures)
+        self.session.log(f"{self.patch.name} {self.job}: {records.counts(branch.values())}, {caused} caused")
+        if self.args.select:  # a part of the job: run, but its record would claim the whole job
+            self.session.log("a selection of tests: not recorded")
+        else:
+            self.add_record(installed, command, base_runs, branch, base, failures)
+        if caused:
+            self.session.error(f"{caused} failures caused by the patch: see docs/upstream-tests.md")
+
+    def add_record(self, installed: str, command: str, base_runs: str, branch: Cases, base: Cases,
+                   failures: list[dict[str, Any]]) -> None:  # fmt: skip
+        """The job's record in docs/records/upstream-tests.json, and the page's tables."""
+        caused = sum(f["caused"] for f in failures)
         records.add(ROOT, "upstream-tests", {
             "key": f"{self.patch.name} {self.job}", "patch": self.patch.name, "job": self.job,
             "blob": records.blob_hash(self.patch.path), **upstream_context(self.onto, self.start, self.base),
@@ -412,9 +447,6 @@ class Upstream:
             "branch": records.counts(branch.values()), "base": records.counts(base.values()),
             "failures": failures, "caused": caused, "seconds": round(time.monotonic() - self.started),
         })  # fmt: skip
-        self.session.log(f"{self.patch.name} {self.job}: {records.counts(branch.values())}, {caused} caused")
-        if caused:
-            self.session.error(f"{caused} failures caused by the patch: see docs/upstream-tests.md")
 
     def record_tests(self, installed: str, options: list[str]) -> None:
         """Run the tests on both and record them."""
@@ -450,13 +482,17 @@ def upstream_newest(session: nox.Session) -> None:
 
 def _oldest_pins(job: Upstream) -> tuple[list[str], list[str]]:
     """The files upstream's oldest job pins that the install reads, and their ``>=`` as ``==`` (``set-oldest``)."""
-    workflow = job.read(f".github/workflows/ci-tests-{job.package}.yml")
-    steps = next(iter(workflow["jobs"].values()))["steps"]
-    python = next(str(s["with"]["python-version"]) for s in steps if "python-version" in s.get("with", {}))
+
+    def find(workflow: Any) -> tuple[str, list[str]]:
+        steps = next(iter(workflow["jobs"].values()))["steps"]
+        python = next(str(s["with"]["python-version"]) for s in steps if "python-version" in s.get("with", {}))
+        script = next(step["run"] for step in steps if "set-oldest" in step.get("run", ""))
+        return python, list(ast.literal_eval(re.search(r'--req_files "(\[[^\]]*\])"', script).group(1)))  # type: ignore[union-attr]
+
+    what = "a job whose steps set up Python and run `set-oldest --req_files [...]`"
+    python, files = job.read(f".github/workflows/ci-tests-{job.package}.yml", what, find)
     if f"|| '{job.session.python}'" not in python:  # the oldest entry names no Python: it takes the default
         job.session.error(f"upstream's oldest job runs Python {python!r}, not {job.session.python}: update the session")
-    script = next(step["run"] for step in steps if "set-oldest" in step.get("run", ""))
-    files = ast.literal_eval(re.search(r'--req_files "(\[[^\]]*\])"', script).group(1))  # type: ignore[union-attr]
     # only the files the install reads: base.txt and the extras' (a file it does not install pins nothing there, and
     # must not here: torchmetrics has a lower bound of its own in base.txt)
     read = [f for f in files if Path(f).stem in {"base", *(extra.split("-", 1)[1] for extra in EXTRAS[job.package])}]
@@ -489,9 +525,14 @@ def upstream_oldest(session: nox.Session) -> None:
 def upstream_mypy(session: nox.Session) -> None:
     """``code-checks.yml``'s mypy job: its install and its command; each error one JUnit test case."""
     with Upstream(session, "mypy") as job:
-        steps = job.read(".github/workflows/code-checks.yml")["jobs"]["mypy"]["steps"]
-        install = next(step["run"] for step in steps if "pip install" in step.get("run", "")).splitlines()[0].strip()
-        command = next(step["run"] for step in steps if step.get("name") == "Check typing").split()
+
+        def find(workflow: Any) -> tuple[str, list[str]]:
+            steps = workflow["jobs"]["mypy"]["steps"]
+            install = next(step["run"] for step in steps if "pip install" in step.get("run", "")).splitlines()[0]
+            return install.strip(), next(step["run"] for step in steps if step.get("name") == "Check typing").split()
+
+        what = "a `mypy` job with a `pip install` step and a `Check typing` step"
+        install, command = job.read(".github/workflows/code-checks.yml", what, find)
         if command[:1] != ["mypy"]:
             session.error(f"upstream's mypy step runs {command!r}, not `mypy ...`: update the upstream_mypy session")
         session.install(*shlex.split(install.split("pip install", 1)[1]), env=CI_ENV)
@@ -503,6 +544,8 @@ def upstream_mypy(session: nox.Session) -> None:
             )
             errors = [json.loads(line) for line in str(said).splitlines() if line.startswith("{")]
             found = [(e["file"], e["code"] or "error", e["message"]) for e in errors if e["severity"] == "error"]
+            if not found and str(said).strip():  # mypy said something, but no error it reports as such: not a pass
+                session.error(f"mypy on the {where} found no error but said: {str(said).strip().splitlines()[-1]}")
             records.write_junit(job.reports / f"{where}.xml", "mypy", found)
             return job.junit(job.reports / f"{where}.xml")
 
@@ -517,12 +560,16 @@ def upstream_mypy(session: nox.Session) -> None:
 def upstream_ruff(session: nox.Session) -> None:
     """``ruff check`` and ``ruff format --check`` at the pre-commit hooks' version, on every tracked Python file."""
     with Upstream(session, "ruff") as job:
-        hooks = job.read(".pre-commit-config.yaml")["repos"]
-        rev = next(repo["rev"] for repo in hooks if repo["repo"].endswith("/ruff-pre-commit")).lstrip("v")
+
+        def find(config: Any) -> str:
+            return str(next(r["rev"] for r in config["repos"] if r["repo"].endswith("/ruff-pre-commit"))).lstrip("v")
+
+        rev = job.read(".pre-commit-config.yaml", "a `ruff-pre-commit` repository with its `rev`", find)
         session.install(f"ruff=={rev}")
 
         def run(where: str) -> Cases:
             checked, formatted = job.reports / f"{where}.xml", job.reports / f"{where}-format.xml"
+            checked.unlink(missing_ok=True)  # ruff writes it: one left by a reused venv's run (`nox -r`) is not this
             # `.`: the files ruff finds in the clean checkout are the tracked ones; its configuration excludes the rest
             session.run("ruff", "check", "--no-cache", "--no-fix", "--output-format=junit", f"--output-file={checked}",
                         ".", success_codes=[0, 1])  # fmt: skip

@@ -104,9 +104,10 @@ def test_ruff_s_junit_and_the_findings_the_sessions_write(tmp_path: Path):
         "pkg/mod::org.ruff.F401: `os` imported but unused",
         "pkg/mod::org.ruff.F401: `os` imported but unused #2",
     ]
-    write_junit(tmp_path / "mypy.xml", "mypy", [("pkg/mod.py", "return-value", f"Incompatible {Path.home()}/x")])
+    write_junit(tmp_path / "mypy.xml", "mypy", [("pkg/mod.py", "no-redef", f"{Path.home()}/x defined on line 12")])
     (case,) = read_junit(tmp_path / "mypy.xml", tmp_path, {str(Path.home()): "~"}).values()
-    assert case == Case("pkg/mod.py::return-value: Incompatible ~/x", "failed", "Incompatible ~/x")
+    # the line the message names is not the finding's: it moves with the patch
+    assert case == Case("pkg/mod.py::no-redef: ~/x defined on line N", "failed", "~/x defined on line 12")
 
 
 def test_a_patch_that_adds_a_second_finding_of_a_kind_the_base_has_caused_it(tmp_path: Path):
@@ -125,17 +126,21 @@ def test_the_page_keeps_its_prose_and_groups_failures_from_the_environment(tmp_p
     reason = "No checkpoints found in folder <checkout>/tests/legacy/checkpoints/1.0"
     legacy = [{"id": f"t.py::test_{i}", "reason": reason, "caused": False} for i in range(3)]
     failures = [*legacy, {"id": "t.py::test_new", "reason": "AssertionError: x | y", "caused": True}]
-    add(tmp_path, "upstream-tests", upstream_record(patch, "newest", failures=failures, caused=1))
+    failures.append({"id": "a::F401: `os` | unused", "reason": "`os` | unused", "caused": True})
+    add(tmp_path, "upstream-tests", upstream_record(patch, "newest", failures=failures, caused=2))
     text = page.read_text()
     assert text.startswith("# Prose\n\nBy hand.\n")
     assert text.endswith("## After the tables\n\nAlso by hand.\n")
     assert "| `t.py::test_new` | **the patch** | AssertionError: x \\| y |" in text
     assert (
+        "| `` a::F401: `os` \\| unused `` | **the patch** | `os` \\| unused |" in text
+    )  # one code span, whatever it holds
+    assert (
         "| `t.py::test_0` and 2 more | environment: the legacy checkpoints not downloaded (on the base too) |" in text
     )
     assert "| wall time | 10 min |" in text
     assert stale_upstream(tmp_path, {patch.name: patch.path}) == [
-        f"{patch.name[:4]} newest: 1 caused by the patch",
+        f"{patch.name[:4]} newest: 2 caused by the patch",
         *(f"{patch.name[:4]} {job}: not recorded at blob {blob_hash(patch.path)[:12]}" for job in JOBS[1:]),
     ]  # fmt: skip
 

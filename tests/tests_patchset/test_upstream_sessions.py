@@ -63,5 +63,6 @@ def test_upstream_ruff_records_each_finding_of_the_branch_and_whether_the_base_h
     assert git(onto, "rev-parse", "--abbrev-ref", "HEAD") == "main"  # the checkout is left on its branch
     page = (project / "docs/upstream-tests.md").read_text(encoding="utf-8")
     assert (
-        "| `src/lightning/fabric/utilities/__init__::org.ruff.F401: `os` imported but unused` | **the patch** |" in page
+        "| `` src/lightning/fabric/utilities/__init__::org.ruff.F401: `os` imported but unused `` | **the patch** |"
+        in page
     )

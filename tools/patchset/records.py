@@ -52,8 +52,8 @@ def read_junit(path: Path, root: Path | None = None, places: dict[str, str] | No
     """The cases of a JUnit XML report by id; paths under ``root`` relative, each of ``places`` replaced by its name.
 
     A test's id is its pytest node id (``file::Class::name``); an error in its teardown keeps its failure. A check's
-    finding (a case with no file: ruff's, mypy's) is ``classname::name: message``, and each further one of that id is
-    counted (``#2``), so that two findings of a kind are two, whatever lines they are on.
+    finding (a case with no file: ruff's, mypy's) is ``classname::name: message`` with the message's numbers as ``N``
+    (the lines it names move with a patch), and each further one of that id is counted (``#2``).
     """
     places = {**(places or {}), **({str(root): "<checkout>"} if root else {})}
     cases: dict[str, Case] = {}
@@ -69,7 +69,7 @@ def read_junit(path: Path, root: Path | None = None, places: dict[str, str] | No
             reason = reason.replace(place, name)
         case_id = _case_id(element).removeprefix(f"{root}/" if root else "\0")
         if element.get("file") is None and outcome == "failed":
-            case_id += f": {reason}"
+            case_id += ": " + re.sub(r"\d+", "N", reason)
             seen = sum(key == case_id or key.startswith(case_id + " #") for key in cases)
             case_id += f" #{seen + 1}" if seen else ""
         if cases.get(case_id, Case(case_id, "")).outcome != "failed":
@@ -175,6 +175,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:160]
 
 
+def _code(text: str) -> str:
+    """``text`` as a code span in a table cell: its pipes escaped, fenced by two backticks where it has one."""
+    return f"`` {_cell(text)} ``" if "`" in text else f"`{_cell(text)}`"
+
+
 def _counted(n: dict[str, int]) -> str:
     return f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped"
 
@@ -199,7 +204,9 @@ def upstream_tables(found: dict[str, dict[str, Any]]) -> str:
         ]
         if r["failures"]:
             lines += ["| failed on the branch | cause | reason |", "|---|---|---|"]
-            lines += [f"| `{f['id']}` | **the patch** | {_cell(f['reason'])} |" for f in r["failures"] if f["caused"]]
+            lines += [
+                f"| {_code(f['id'])} | **the patch** | {_cell(f['reason'])} |" for f in r["failures"] if f["caused"]
+            ]
             groups: dict[str, list[dict[str, Any]]] = {}
             for failure in (f for f in r["failures"] if not f["caused"]):
                 cause = next((c for pattern, c in ENVIRONMENT if pattern.search(failure["reason"])), None)
@@ -207,7 +214,7 @@ def upstream_tables(found: dict[str, dict[str, Any]]) -> str:
                 groups.setdefault(key, []).append(failure)
             for key, group in sorted(groups.items()):
                 more = len(group) - 1 + sum(f.get("more", 0) for f in group)  # a migrated row kept its count
-                what = f"`{group[0]['id']}`" + (f" and {more} more" if more else "")
+                what = _code(group[0]["id"]) + (f" and {more} more" if more else "")
                 cause = key if key.startswith("environment: ") else "pre-existing (on the base too)"
                 lines.append(f"| {what} | {cause} | {_cell(group[0]['reason'])} |")
             lines.append("")
@@ -239,5 +246,5 @@ def matrix_table(found: dict[str, dict[str, Any]]) -> str:
     lines += [f'- torch {c["torch"]}: `nox -s "{c["session"]}"` ran `{c["command"]}`' for c in cells]
     for c in (c for c in cells if c["failures"]):
         lines += ["", f"Failed with torch {c['torch']} (`{c['session']}`):", ""]
-        lines += [f"- `{f['id']}`: {_cell(f['reason'])}" for f in c["failures"]]
+        lines += [f"- {_code(f['id'])}: {_cell(f['reason'])}" for f in c["failures"]]
     return "\n".join(lines) + "\n"

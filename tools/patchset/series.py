@@ -151,7 +151,10 @@ class Patch:
 def parse_patch(path: Path, data: bytes | None = None) -> Patch:
     """A ``git format-patch`` file (``data``, else read from ``path``): mail headers, message, fields."""
     data = path.read_bytes() if data is None else data
-    head, sep, rest = data.decode("utf-8").partition("\n\n")
+    try:
+        head, sep, rest = data.decode("utf-8").partition("\n\n")
+    except UnicodeDecodeError as err:
+        raise PatchsetError(f"{path.name}: not UTF-8 ({err.reason} at byte {err.start}): export it again") from None
     headers = email.parser.HeaderParser(policy=email.policy.default).parsestr(head)
     if not sep or headers["Subject"] is None:
         raise PatchsetError(f"{path.name}: not a git format-patch file (no header block with a Subject)")
