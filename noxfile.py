@@ -219,7 +219,7 @@ def oldest(session: nox.Session) -> None:
 # session while they were taken newest), PyYAML (the tool's commands read upstream's issue forms) with its stubs,
 # pytest (which the rerun plugin imports: mypy reads its types), and, for type-checking our src/lightning modules
 # against the fork's own code, the default session's torch.
-LINTERS = ["ruff==0.17.6", "mypy==2.4.1", "pyyaml", "types-PyYAML", "pytest"]
+LINTERS = ["ruff==0.17.6", "mypy==2.4.1", "pyyaml==6.0.4", "types-PyYAML==6.0.12.20261122", "pytest==9.2.0"]
 LINT_TORCH = "2.13.0"
 
 MYPY_OUR_MODULES = """
@@ -367,7 +367,8 @@ class Upstream:
         """``find`` applied to a YAML file of the checkout; one error naming the file and ``what`` if it fails."""
         try:
             return find(yaml.safe_load((self.onto / rel).read_text(encoding="utf-8")))
-        except (OSError, yaml.YAMLError, LookupError, StopIteration, AttributeError, TypeError, ValueError) as err:
+        except (OSError, yaml.YAMLError, LookupError, StopIteration, AttributeError, TypeError, ValueError,
+                SyntaxError) as err:  # fmt: skip
             self.session.error(
                 f"{rel} no longer has {what} ({type(err).__name__}: {err}): update the {self.session.name} session"
             )
@@ -400,7 +401,8 @@ class Upstream:
             tests = self.selection
             if where == "base" and self.args.base_runs == "failures":  # a test the patch adds is not on the base
                 files = sorted({t.split("::")[0] for t in failed_on_branch if (self.onto / t.split("::")[0]).is_file()})
-                tests = [t for t in failed_on_branch if t in set(collect(files, env))] if files else []
+                on_base = set(collect(files, env)) if files else set()  # one collection of the files, not one a test
+                tests = [t for t in failed_on_branch if t in on_base]
                 if not tests:
                     return {}
             pytest = [*PYTEST, *options]
@@ -528,7 +530,8 @@ def upstream_mypy(session: nox.Session) -> None:
 
         def find(workflow: Any) -> tuple[str, list[str]]:
             steps = workflow["jobs"]["mypy"]["steps"]
-            install = next(step["run"] for step in steps if "pip install" in step.get("run", "")).splitlines()[0]
+            runs = (line for step in steps for line in step.get("run", "").splitlines())
+            install = next(line for line in runs if "pip install" in line)
             return install.strip(), next(step["run"] for step in steps if step.get("name") == "Check typing").split()
 
         what = "a `mypy` job with a `pip install` step and a `Check typing` step"
@@ -544,8 +547,9 @@ def upstream_mypy(session: nox.Session) -> None:
             )
             errors = [json.loads(line) for line in str(said).splitlines() if line.startswith("{")]
             found = [(e["file"], e["code"] or "error", e["message"]) for e in errors if e["severity"] == "error"]
-            if not found and str(said).strip():  # mypy said something, but no error it reports as such: not a pass
-                session.error(f"mypy on the {where} found no error but said: {str(said).strip().splitlines()[-1]}")
+            plain = [line for line in str(said).splitlines() if not line.startswith("{") and "error" in line.lower()]
+            if plain and not found:  # mypy failed without an error of the code (its config, a crash): no pass
+                session.error(f"mypy on the {where} reported no error of the code but said: {plain[-1]}")
             records.write_junit(job.reports / f"{where}.xml", "mypy", found)
             return job.junit(job.reports / f"{where}.xml")
 

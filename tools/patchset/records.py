@@ -52,8 +52,8 @@ def read_junit(path: Path, root: Path | None = None, places: dict[str, str] | No
     """The cases of a JUnit XML report by id; paths under ``root`` relative, each of ``places`` replaced by its name.
 
     A test's id is its pytest node id (``file::Class::name``); an error in its teardown keeps its failure. A check's
-    finding (a case with no file: ruff's, mypy's) is ``classname::name: message`` with the message's numbers as ``N``
-    (the lines it names move with a patch), and each further one of that id is counted (``#2``).
+    finding (a case with no file: ruff's, mypy's) is ``classname::name: message``, a line the message names as
+    ``line N`` (lines move with a patch), and each further one of that id is counted (``#2``).
     """
     places = {**(places or {}), **({str(root): "<checkout>"} if root else {})}
     cases: dict[str, Case] = {}
@@ -69,7 +69,7 @@ def read_junit(path: Path, root: Path | None = None, places: dict[str, str] | No
             reason = reason.replace(place, name)
         case_id = _case_id(element).removeprefix(f"{root}/" if root else "\0")
         if element.get("file") is None and outcome == "failed":
-            case_id += ": " + re.sub(r"\d+", "N", reason)
+            case_id += ": " + re.sub(r"\b(lines?) \d+", r"\1 N", reason)
             seen = sum(key == case_id or key.startswith(case_id + " #") for key in cases)
             case_id += f" #{seen + 1}" if seen else ""
         if cases.get(case_id, Case(case_id, "")).outcome != "failed":
