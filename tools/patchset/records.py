@@ -171,8 +171,8 @@ def stale_matrix(project: Path) -> list[str]:
     return problems
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:160]
+def _cell(text: str, limit: int = 160) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:limit]
 
 
 def _code(text: str) -> str:
@@ -192,8 +192,8 @@ def upstream_tables(found: dict[str, dict[str, Any]]) -> str:
         lines += [f"## {r['patch']}: {TITLES[r['job']]}", "", "| | |", "|---|---|"]
         lines += [
             f"| patch blob | `{r['blob']}` |",
-            f"| upstream commit | `{r['upstream']}` ({r['upstream_subject']}) |",
-            f"| local commits on it | {'; '.join(r['local_commits']) or 'none'} |",
+            f"| upstream commit | `{r['upstream']}` ({_cell(r['upstream_subject'], 1000)}) |",
+            f"| local commits on it | {_cell('; '.join(r['local_commits']), 1000) or 'none'} |",
             f"| installed as | {r['installed']} |",
             f"| command | {r['command']} |",
             f"| on the PR branch | {_counted(r['branch'])} |",
