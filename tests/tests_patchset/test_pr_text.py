@@ -105,6 +105,36 @@ def test_the_tests_item_is_ticked_only_when_every_job_is_recorded_on_this_patch_
     assert "not recorded for this version" in _tests_line(fill_template(PR_TEMPLATE, project, read_series(project)[2]))
 
 
+def test_the_tests_item_names_the_cause_of_each_failure_the_base_has_too(tmp_path: Path):
+    """A maintainer reads why the branch's failures are not the PR's: a known cause of the machine, or the test."""
+    project = copy_project(tmp_path / "project", include=("patches", "tools", "pyproject.toml", "docs/maintaining.md"))
+    (project / "docs/records/upstream-tests.json").unlink(missing_ok=True)
+    patch = read_series(project)[2]
+    legacy = 'AssertionError: No checkpoints found in folder "<checkout>/tests/legacy/checkpoints/1.0.0"'
+    newest = [
+        {"id": "tests/legacy/test_ckpt.py::test_load[1.0.0]", "reason": legacy, "caused": False, "more": 2},
+        {"id": "tests/unit/test_b.py::test_b", "reason": "ValueError: flaky", "caused": False},
+    ]
+    oldest = [
+        {"id": "tests/gpu/test_c.py::test_c", "reason": "RuntimeError: only supported on CUDA GPUs.", "caused": False}
+    ]
+    mypy = [{"id": "src/x.py::return-value: Incompatible return value type", "reason": "Incompatible", "caused": False}]
+    counts = {"newest": (5, 4, 0, newest), "oldest": (5, 1, 2, oldest), "mypy": (0, 1, 0, mypy), "ruff": (0, 0, 0, [])}
+    for job, (passed, failed, skipped, failures) in counts.items():
+        branch = {"passed": passed, "failed": failed, "skipped": skipped}
+        add(project, "upstream-tests", upstream_record(patch, job, branch=branch, failures=failures))
+
+    line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
+    assert line.startswith("- [x] ")
+    assert (
+        "newest torch allowed: 5 passed, 4 failed (1 `test_b.py::test_b`; 3 the legacy checkpoints not downloaded,"
+        " as on the base), 0 skipped, 0 caused by this PR" in line
+    )
+    assert "oldest requirements: 5 passed, 1 failed (`test_c.py::test_c`: needs a CUDA GPU, as on the base)" in line
+    assert "code-checks.yml runs it: 1 finding (`src/x.py::return-value`, as on the base), 0 caused" in line
+    assert "pre-commit hooks run them: no findings, 0 caused by this PR" in line
+
+
 def test_an_item_the_rules_do_not_know_is_marked_and_named():
     template = PR_TEMPLATE.replace(
         "- Did you list all", "- [ ] Did you add a **new kind of item**?\n- Did you list all"

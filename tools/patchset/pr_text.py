@@ -17,6 +17,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,13 +25,14 @@ from patchset import PatchsetError
 from patchset.distribution import fork_url
 from patchset.gitops import git
 from patchset.overlay import overlay_files
-from patchset.records import JOBS, TITLES, blob_hash, load
+from patchset.records import JOBS, TITLES, blob_hash, load, pre_existing
 from patchset.series import Patch, issue_lines, issue_refs
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 FORMS = ".github/ISSUE_TEMPLATE"
 PATCH_TABLE = "docs/maintaining.md"  # its table of patches: a row each, with the patch's docs and benchmark links
 NOT_ANSWERED = "**not answered**"
+CHECKS = ("mypy", "ruff")  # jobs whose failed cases are findings, with nothing that passes
 _ITEM = re.compile(r"^- (\[[ x]\] )?(.+)$")
 
 
@@ -113,6 +115,25 @@ def benchmark_links(project: Path, patch: Patch) -> list[str]:
     ]
 
 
+def _job_result(job: str, record: dict[str, Any]) -> str:
+    """A job's counts on the PR branch; the failures the base has too, by their cause or their first id."""
+    groups = pre_existing(record["failures"])
+    said = []
+    for cause, count, first in groups:
+        name = first["id"].split(": ")[0]  # a finding's id is its file and code, then its message
+        name = f"`{name if job in CHECKS else name.rsplit('/', 1)[-1]}`"  # a test: its file's name and its own
+        if cause:
+            what = f"{name}: {cause}" if count == 1 else cause
+        else:
+            what = name + (f" and {count - 1} more" if count > 1 else "")
+        said.append(f"{count} {what}" if len(groups) > 1 else what)
+    why = f" ({'; '.join(said)}, as on the base)" if said else ""
+    n = record["branch"]
+    if job in CHECKS:
+        return f"{n['failed']} finding{'s' * (n['failed'] != 1)}{why}" if n["failed"] else "no findings"
+    return f"{n['passed']} passed, {n['failed']} failed{why}, {n['skipped']} skipped"
+
+
 def tests_answer(project: Path, patch: Patch) -> Answer:
     """Whether upstream's jobs passed on the PR branch, from their records at the patch's current blob."""
     found, blob, parts, ok = load(project, "upstream-tests"), blob_hash(patch.path), [], True
@@ -123,9 +144,7 @@ def tests_answer(project: Path, patch: Patch) -> Answer:
             parts.append(f"{TITLES[job]}: not recorded for this version of the patch")
             continue
         ok = ok and record["caused"] == 0
-        n = record["branch"]
-        counted = f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped"
-        parts.append(f"{TITLES[job]}: {counted}, {record['caused']} caused by this PR")
+        parts.append(f"{TITLES[job]}: {_job_result(job, record)}, {record['caused']} caused by this PR")
     link = f"[the record]({_in_fork(project, 'docs/upstream-tests.md')})"
     lead = f"Yes, every other failure or finding is on the base too ({link})" if ok else f"Not yet ({link})"
     return Answer(ok, f"{lead}: " + "; ".join(parts) + ".")

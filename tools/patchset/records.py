@@ -184,6 +184,18 @@ def _counted(n: dict[str, int]) -> str:
     return f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped"
 
 
+def pre_existing(failures: list[dict[str, Any]]) -> list[tuple[str, int, dict[str, Any]]]:
+    """The failures the patch did not cause, grouped: (their :data:`ENVIRONMENT` cause or ``""``, how many, the first).
+
+    Failures with no known cause are grouped by their reason; a migrated failure counts the ones it stands for.
+    """
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for failure in (f for f in failures if not f["caused"]):
+        cause = next((c for pattern, c in ENVIRONMENT if pattern.search(failure["reason"])), "")
+        groups.setdefault((cause, "" if cause else _cell(failure["reason"])[:60]), []).append(failure)
+    return [(key[0], len(g) + sum(f.get("more", 0) for f in g), g[0]) for key, g in sorted(groups.items())]
+
+
 def upstream_tables(found: dict[str, dict[str, Any]]) -> str:
     """A table per record, by patch, then in :data:`JOBS` order; a row per failure, pre-existing ones grouped."""
     lines = []
@@ -207,16 +219,10 @@ def upstream_tables(found: dict[str, dict[str, Any]]) -> str:
             lines += [
                 f"| {_code(f['id'])} | **the patch** | {_cell(f['reason'])} |" for f in r["failures"] if f["caused"]
             ]
-            groups: dict[str, list[dict[str, Any]]] = {}
-            for failure in (f for f in r["failures"] if not f["caused"]):
-                cause = next((c for pattern, c in ENVIRONMENT if pattern.search(failure["reason"])), None)
-                key = f"environment: {cause} (on the base too)" if cause else _cell(failure["reason"])[:60]
-                groups.setdefault(key, []).append(failure)
-            for key, group in sorted(groups.items()):
-                more = len(group) - 1 + sum(f.get("more", 0) for f in group)  # a migrated row kept its count
-                what = _code(group[0]["id"]) + (f" and {more} more" if more else "")
-                cause = key if key.startswith("environment: ") else "pre-existing (on the base too)"
-                lines.append(f"| {what} | {cause} | {_cell(group[0]['reason'])} |")
+            for cause, count, first in pre_existing(r["failures"]):
+                what = _code(first["id"]) + (f" and {count - 1} more" if count > 1 else "")
+                where = f"environment: {cause} (on the base too)" if cause else "pre-existing (on the base too)"
+                lines.append(f"| {what} | {where} | {_cell(first['reason'])} |")
             lines.append("")
     return "\n".join(lines)
 
