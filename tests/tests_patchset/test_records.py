@@ -9,14 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REPO, upstream_record, write
+from patchset_helpers import REPO, copy_project, git, upstream_record, write
 
+from patchset import PatchsetError
 from patchset.records import (
     JOBS,
     Case,
     add,
     attribute,
     blob_hash,
+    carry,
     checkout_commit,
     counts,
     load,
@@ -26,7 +28,7 @@ from patchset.records import (
     store,
     write_junit,
 )
-from patchset.series import read_series
+from patchset.series import parse_patch, read_series
 
 TESTS = """import pytest
 
@@ -155,6 +157,46 @@ def test_every_upstream_bound_patch_has_each_job_recorded_as_it_is_now_with_noth
     assert not re.search(r"/(home|root|tmp|Users|work)/", text)  # no path of the machine the jobs ran on
     for record in load(REPO, "upstream-tests").values():
         assert re.fullmatch(r"[0-9a-f]{40}", record["upstream"])  # a full commit id anyone can fetch
+
+
+def _commit(project: Path, message: str) -> None:
+    git(project, "add", "-A")
+    git(project, "-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", message)
+
+
+def test_records_move_to_a_new_blob_only_when_the_message_alone_changed(tmp_path: Path):
+    """A job ran on the diff and the new files: a reworded message keeps its records, any other change does not."""
+    project = copy_project(tmp_path / "project", include=("patches", "docs/upstream-tests.md"))
+    patch = next(p for p in read_series(project) if p.new_files)
+    new_file = write(project / patch.new_files[0].replace("*", "x"), "# one of the patch's new files\n")
+    for job in JOBS:
+        add(project, "upstream-tests", upstream_record(patch, job))
+    git(project, "init", "-q")
+    _commit(project, "the patch as its jobs ran it")
+    ran = blob_hash(patch.path)
+
+    text = patch.path.read_text(encoding="utf-8")
+    patch.path.write_text(text.replace("\n\n", "\n\nA reworded paragraph.\n\n", 1), encoding="utf-8")
+    _commit(project, "a reworded message")
+    reworded = parse_patch(patch.path)
+    assert carry(project, reworded) == [f"{patch.name} {job}" for job in sorted(JOBS)]
+    assert stale_upstream(project, {patch.name: patch.path}) == []
+    record = load(project, "upstream-tests")[f"{patch.name} newest"]
+    assert record["ran_on"]["blob"] == ran
+    assert record["blob"] == blob_hash(patch.path)
+    assert f"the job ran on blob `{ran[:12]}`" in (project / "docs/upstream-tests.md").read_text(encoding="utf-8")
+    assert carry(project, reworded) == []  # nothing left to move
+
+    write(new_file, "# a new file changed after the runs\n")
+    patch.path.write_text(text, encoding="utf-8")  # another blob, the same diff: the new file still stops it
+    with pytest.raises(PatchsetError, match="new files changed since blob"):
+        carry(project, parse_patch(patch.path))
+
+    last_line = text.rstrip("\n").rsplit("\n-- \n", 1)[0].rsplit("\n", 1)[0]
+    patch.path.write_text(text.replace(last_line, last_line + "x", 1), encoding="utf-8")  # the diff itself changed
+    with pytest.raises(PatchsetError, match="diff or New-Files changed"):
+        carry(project, parse_patch(patch.path))
+    assert load(project, "upstream-tests")[f"{patch.name} oldest"]["ran_on"]["blob"] == ran
 
 
 def _noxfile_torch() -> list[str]:

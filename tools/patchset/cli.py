@@ -12,6 +12,7 @@ from patchset.export import diff_text, export, preview
 from patchset.pin import fetch_sdist, read_pin
 from patchset.pr_text import feature_request, pr_description, unanswered
 from patchset.rebase import rebase
+from patchset.records import carry
 from patchset.release import release
 from patchset.series import find_patch
 from patchset.upstream_pr import default_base, import_pr, upstream_pr
@@ -80,6 +81,13 @@ def _import_pr(args: argparse.Namespace) -> int:
     return 0
 
 
+def _carry_records(args: argparse.Namespace) -> int:
+    patch = find_patch(args.project, args.patch)
+    moved = carry(args.project, patch)
+    print(f"{patch.name}: " + (f"{len(moved)} records moved to its current blob" if moved else "no record to move"))
+    return 0
+
+
 def _rebase(args: argparse.Namespace) -> int:
     result = rebase(args.project, args.version, args.sdist, args.sha256)
     print(f"pinned {result.pin.name} {result.pin.version} (sha256 {result.pin.sha256}) in patches/upstream.pin")
@@ -132,6 +140,9 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--author", help="'Name <address>' for the commit (default: the patch's author)")
     cmd.add_argument("--description", type=Path, metavar="FILE", help="where the PR text goes; - prints it (default:"
                      " .work/pr/<patch>.md, beside <patch>.feature-request.md)")  # fmt: skip
+    cmd = command("carry-records", _carry_records, "move a patch's records of upstream's jobs to its current blob,"
+                  " where only its message changed")  # fmt: skip
+    cmd.add_argument("patch", help="patch file name or number, e.g. 0003")
     cmd = command("rebase", _rebase, "replay the series onto a new upstream release in .work/tree")
     cmd.add_argument("version", help="the new upstream version, e.g. 2.6.7")
     cmd.add_argument("--sdist", type=Path, help="a local copy of the new sdist (default: pip download)")

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from patchset import PatchsetError
 from patchset.gitops import git, out
+from patchset.series import Patch, parse_patch
 
 RECORDS = Path("docs") / "records"
 BEGIN = "<!-- tables from docs/records/{}.json: do not edit by hand between these markers -->"
@@ -152,6 +154,44 @@ def stale_upstream(project: Path, patches: dict[str, Path]) -> list[str]:
     return problems
 
 
+def _change(patch: Patch) -> tuple[bytes, list[str]]:
+    """What upstream's jobs run of a patch: its diff (git's signature aside) and the globs of its new files."""
+    diff = b"".join(section.text for section in patch.sections)
+    return re.sub(rb"\n-- \n[^\n]*\n*$", b"\n", diff), patch.new_files
+
+
+def carry(project: Path, patch: Patch) -> list[str]:
+    """Move the patch's records to its current blob where only its message and fields changed; the keys moved.
+
+    The jobs run the PR branch: the diff, the new files and the CHANGELOG entries (which none of them reads). A record
+    moves when the diff and the ``New-Files:`` globs of the blob it names are the current ones, and the new files are
+    as they were in the commit that made that blob; it keeps the blob it ran on, and that commit, as ``ran_on``.
+    """
+    found, blob, moved = load(project, "upstream-tests"), blob_hash(patch.path), []
+    rel = patch.path.relative_to(project).as_posix()
+    for key, record in sorted(found.items()):
+        if record["patch"] != patch.name or record["blob"] == blob:
+            continue
+        old = git(project, "cat-file", "blob", record["blob"], check=False)
+        if old.returncode != 0:
+            raise PatchsetError(f"{key}: its blob {record['blob'][:12]} is not in this repository's history")
+        if _change(parse_patch(patch.path, old.stdout)) != _change(patch):
+            raise PatchsetError(
+                f"{key}: the patch's diff or New-Files changed since blob {record['blob'][:12]}: run the job"
+            )
+        commits = out(project, "log", "--format=%H", "--", rel).split()
+        made = next((c for c in commits if out(project, "rev-parse", f"{c}:{rel}") == record["blob"]), None)
+        globs = [f":(glob){g}" for g in patch.new_files]
+        if made is None or (globs and git(project, "diff", "--quiet", made, "--", *globs, check=False).returncode):
+            raise PatchsetError(f"{key}: its new files changed since blob {record['blob'][:12]}: run the job")
+        ran_on = record.get("ran_on") or {"blob": record["blob"], "commit": made[:10]}
+        found[key] = {**record, "blob": blob, "ran_on": ran_on}
+        moved.append(key)
+    if moved:
+        store(project, "upstream-tests", found)
+    return moved
+
+
 def checkout_commit(project: Path) -> str:
     """The checkout's commit as a record names it, ``+dirty`` when tracked files (``docs/`` aside) differ."""
     changed = out(project, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs")
@@ -184,6 +224,14 @@ def _counted(n: dict[str, int]) -> str:
     return f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped"
 
 
+def _ran_on(record: dict[str, Any]) -> str:
+    if "ran_on" not in record:
+        return ""
+    ran = record["ran_on"]
+    same = "the same diff and new files, another message"
+    return f" (the job ran on blob `{ran['blob'][:12]}`, made at `{ran['commit']}`: {same})"
+
+
 def pre_existing(failures: list[dict[str, Any]]) -> list[tuple[str, int, dict[str, Any]]]:
     """The failures the patch did not cause, grouped: (their :data:`ENVIRONMENT` cause or ``""``, how many, the first).
 
@@ -203,7 +251,7 @@ def upstream_tables(found: dict[str, dict[str, Any]]) -> str:
         seconds = r["seconds"]
         lines += [f"## {r['patch']}: {TITLES[r['job']]}", "", "| | |", "|---|---|"]
         lines += [
-            f"| patch blob | `{r['blob']}` |",
+            f"| patch blob | `{r['blob']}`{_ran_on(r)} |",
             f"| upstream commit | `{r['upstream']}` ({_cell(r['upstream_subject'], 1000)}) |",
             f"| local commits on it | {_cell('; '.join(r['local_commits']), 1000) or 'none'} |",
             f"| installed as | {r['installed']} |",
