@@ -325,6 +325,10 @@ class Upstream:
         self.onto: Path = self.args.onto.resolve()
         self.reports = Path(session.create_tmp()).resolve()  # relative to the directory nox started in
         self.started = time.monotonic()
+        try:  # the commit carry-records compares a later version of the patch with
+            self.fork_commit = records.checkout_commit(ROOT)
+        except PatchsetError:  # not a git checkout: carry-records takes the oldest commit of the patch's blob
+            self.fork_commit = ""
         try:
             self.patch: Patch = find_patch(ROOT, self.args.patch)
             if not self.patch.upstreamable:
@@ -448,6 +452,7 @@ class Upstream:
             "installed": installed, "command": command, "base_runs": base_runs,
             "branch": records.counts(branch.values()), "base": records.counts(base.values()),
             "failures": failures, "caused": caused, "seconds": round(time.monotonic() - self.started),
+            "fork_commit": self.fork_commit,
         })  # fmt: skip
 
     def record_tests(self, installed: str, options: list[str]) -> None:

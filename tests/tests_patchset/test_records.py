@@ -28,7 +28,7 @@ from patchset.records import (
     store,
     write_junit,
 )
-from patchset.series import parse_patch, read_series
+from patchset.series import Patch, parse_patch, read_series
 
 TESTS = """import pytest
 
@@ -164,21 +164,31 @@ def _commit(project: Path, message: str) -> None:
     git(project, "-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", message)
 
 
+def _recorded_project(tmp_path: Path) -> tuple[Path, dict[str, Patch]]:
+    """A git copy of the series with 0002's and 0006's jobs recorded, each owning one new file on disk."""
+    project = copy_project(tmp_path / "project", include=("patches", "docs/upstream-tests.md"))
+    patches = {p.name[:4]: p for p in read_series(project)}
+    for patch in (patches["0002"], patches["0006"]):
+        write(project / patch.new_files[-1].replace("*", "x"), f"# a new file of {patch.name[:4]}\n")
+        for job in JOBS:
+            add(project, "upstream-tests", upstream_record(patch, job))
+    git(project, "init", "-q")
+    _commit(project, "the patches as their jobs ran them")
+    return project, patches
+
+
+def _reword(patch: Patch, words: str = "A reworded paragraph.") -> Patch:
+    patch.path.write_text(patch.path.read_text(encoding="utf-8").replace("\n\n", f"\n\n{words}\n\n", 1))
+    return parse_patch(patch.path)
+
+
 def test_records_move_to_a_new_blob_only_when_the_message_alone_changed(tmp_path: Path):
     """A job ran on the diff and the new files: a reworded message keeps its records, any other change does not."""
-    project = copy_project(tmp_path / "project", include=("patches", "docs/upstream-tests.md"))
-    patch = next(p for p in read_series(project) if p.new_files)
-    new_file = write(project / patch.new_files[0].replace("*", "x"), "# one of the patch's new files\n")
-    for job in JOBS:
-        add(project, "upstream-tests", upstream_record(patch, job))
-    git(project, "init", "-q")
-    _commit(project, "the patch as its jobs ran it")
-    ran = blob_hash(patch.path)
-
+    project, patches = _recorded_project(tmp_path)
+    patch, ran = patches["0002"], blob_hash(patches["0002"].path)
     text = patch.path.read_text(encoding="utf-8")
-    patch.path.write_text(text.replace("\n\n", "\n\nA reworded paragraph.\n\n", 1), encoding="utf-8")
+    reworded = _reword(patch)
     _commit(project, "a reworded message")
-    reworded = parse_patch(patch.path)
     assert carry(project, reworded) == [f"{patch.name} {job}" for job in sorted(JOBS)]
     assert stale_upstream(project, {patch.name: patch.path}) == []
     record = load(project, "upstream-tests")[f"{patch.name} newest"]
@@ -187,16 +197,31 @@ def test_records_move_to_a_new_blob_only_when_the_message_alone_changed(tmp_path
     assert f"the job ran on blob `{ran[:12]}`" in (project / "docs/upstream-tests.md").read_text(encoding="utf-8")
     assert carry(project, reworded) == []  # nothing left to move
 
-    write(new_file, "# a new file changed after the runs\n")
-    patch.path.write_text(text, encoding="utf-8")  # another blob, the same diff: the new file still stops it
-    with pytest.raises(PatchsetError, match="new files changed since blob"):
-        carry(project, parse_patch(patch.path))
-
-    last_line = text.rstrip("\n").rsplit("\n-- \n", 1)[0].rsplit("\n", 1)[0]
-    patch.path.write_text(text.replace(last_line, last_line + "x", 1), encoding="utf-8")  # the diff itself changed
-    with pytest.raises(PatchsetError, match="diff or New-Files changed"):
+    last = text.rstrip("\n").rsplit("\n", 1)[1]  # the diff's last line
+    patch.path.write_text(text.rstrip("\n").removesuffix(last) + last + " changed\n", encoding="utf-8")
+    with pytest.raises(PatchsetError, match="0002's diff or New-Files differ from commit"):
         carry(project, parse_patch(patch.path))
     assert load(project, "upstream-tests")[f"{patch.name} oldest"]["ran_on"]["blob"] == ran
+
+
+def test_a_record_is_not_carried_over_new_files_or_a_stacked_on_patch_that_changed_since_its_run(tmp_path: Path):
+    project, patches = _recorded_project(tmp_path)
+    p2, p6 = patches["0002"], patches["0006"]
+    assert carry(project, _reword(p2))
+    _commit(project, "reworded")
+    assert stale_upstream(project, {p2.name: p2.path}) == []
+
+    owned = write(project / p2.new_files[0], "# owned by 0002, and not in git\n")  # untracked, as upstream-pr takes it
+    with pytest.raises(PatchsetError, match="0002's new files differ"):
+        carry(project, _reword(p2, "Reworded again."))
+    assert stale_upstream(project, {p2.name: p2.path})  # the carried record no longer holds
+    owned.unlink()
+    assert carry(project, _reword(p6)) == [f"{p6.name} {job}" for job in sorted(JOBS)]
+
+    p2.path.write_text(p2.path.read_text(encoding="utf-8").rstrip("\n") + " changed\n", encoding="utf-8")
+    _commit(project, "0002's diff changed, and with it the branch 0006 stacks on")
+    with pytest.raises(PatchsetError, match="0002's diff or New-Files differ"):
+        carry(project, _reword(p6, "Reworded again."))
 
 
 def _noxfile_torch() -> list[str]:

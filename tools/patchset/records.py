@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from typing import Any
 
 from patchset import PatchsetError
 from patchset.gitops import git, out
+from patchset.overlay import OVERLAY_ROOTS, overlay_files
 from patchset.series import Patch, parse_patch
 
 RECORDS = Path("docs") / "records"
@@ -142,50 +144,90 @@ def add(project: Path, kind: str, record: dict[str, Any]) -> None:
 
 
 def stale_upstream(project: Path, patches: dict[str, Path]) -> list[str]:
-    """Each job of each patch (name: path) not recorded at the patch's blob, or recorded with a failure it caused."""
+    """Each job of each patch (name: path) not recorded at the patch's blob, or recorded with a failure it caused.
+
+    A record carried to the blob (``ran_on``) is checked again against the commit its job ran at.
+    """
     found, problems = load(project, "upstream-tests"), []
     for name, path in patches.items():
         for job in JOBS:
             record = found.get(f"{name} {job}")
             if record is None or record["blob"] != blob_hash(path):
                 problems.append(f"{name[:4]} {job}: not recorded at blob {blob_hash(path)[:12]}")
+            elif "ran_on" in record and (why := _unlike_run(project, parse_patch(path), record["ran_on"]["commit"])):
+                problems.append(f"{name[:4]} {job}: carried from blob {record['ran_on']['blob'][:12]}, but {why}")
             elif record["caused"]:
                 problems.append(f"{name[:4]} {job}: {record['caused']} caused by the patch")
     return problems
 
 
-def _change(patch: Patch) -> tuple[bytes, list[str]]:
-    """What upstream's jobs run of a patch: its diff (git's signature aside) and the globs of its new files."""
-    diff = b"".join(section.text for section in patch.sections)
-    return re.sub(rb"\n-- \n[^\n]*\n*$", b"\n", diff), patch.new_files
+def _applied(data: bytes) -> bytes:
+    """The part of a format-patch file that ``git am`` applies: what ``git mailinfo`` splits off as the patch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        git(Path(tmp), "mailinfo", "msg", "patch", input=data)
+        return (Path(tmp) / "patch").read_bytes()
+
+
+def _owned(project: Path, patch: Patch, commit: str | None) -> dict[str, str]:
+    """The new files ``patch`` owns, as ``upstream-pr`` takes them, by path: their blobs at ``commit`` or on disk."""
+    if commit is None:
+        return {f: blob_hash(project / f) for f in overlay_files(project) if patch.owns(f)}
+    listing = git(project, "ls-tree", "-r", "-z", commit, "--", *OVERLAY_ROOTS).stdout.decode().split("\0")
+    entries = (line.partition("\t") for line in listing if line)  # "mode type blob", a tab, the path
+    return {path: info.split()[2] for info, _, path in entries if info.split()[1] == "blob" and patch.owns(path)}
+
+
+def _unlike_run(project: Path, patch: Patch, commit: str) -> str:
+    """What differs between the PR branch as the series makes it now and at ``commit``; ``""`` when nothing.
+
+    The jobs read the patch's applied diff, its new files and those of the patches it stacks on (``Depends-On:``);
+    the message and the fields (the CHANGELOG entries among them) none of them reads.
+    """
+    rel = patch.path.relative_to(project).as_posix()
+    then = git(project, "show", f"{commit}:{rel}", check=False)
+    if then.returncode != 0:
+        return f"{rel} is not in commit {commit[:10]}"
+    before = parse_patch(patch.path, then.stdout)
+    if _applied(then.stdout) != _applied(patch.data) or before.new_files != patch.new_files:
+        return f"{patch.name[:4]}'s diff or New-Files differ from commit {commit[:10]}'s"
+    if _owned(project, before, commit) != _owned(project, patch, None):
+        return f"{patch.name[:4]}'s new files differ from commit {commit[:10]}'s"
+    if depends := patch.field("Depends-On"):
+        return _unlike_run(project, parse_patch(patch.path.parent / depends), commit)
+    return ""
+
+
+def _first_commit_with(project: Path, rel: str, blob: str) -> str | None:
+    """The oldest commit whose ``rel`` is ``blob``: the earliest a job on that blob can have run."""
+    for commit in out(project, "log", "--reverse", "--format=%H", "--", rel).split():
+        found = git(project, "rev-parse", "--verify", "--quiet", f"{commit}:{rel}", check=False)
+        if found.stdout.decode().strip() == blob:
+            return commit
+    return None
 
 
 def carry(project: Path, patch: Patch) -> list[str]:
     """Move the patch's records to its current blob where only its message and fields changed; the keys moved.
 
-    The jobs run the PR branch: the diff, the new files and the CHANGELOG entries (which none of them reads). A record
-    moves when the diff and the ``New-Files:`` globs of the blob it names are the current ones, and the new files are
-    as they were in the commit that made that blob; it keeps the blob it ran on, and that commit, as ``ran_on``.
+    A record moves when the PR branch would hold what its job ran (:func:`_unlike_run`) as of the commit it ran at:
+    the one ``ran_on`` or the session's ``fork_commit`` names, else the oldest commit whose patch had the record's blob
+    (a job cannot have run before it; a file changed after it refuses the move, even where the job ran later). The
+    record keeps that blob and commit as ``ran_on``.
     """
     found, blob, moved = load(project, "upstream-tests"), blob_hash(patch.path), []
     rel = patch.path.relative_to(project).as_posix()
     for key, record in sorted(found.items()):
         if record["patch"] != patch.name or record["blob"] == blob:
             continue
-        old = git(project, "cat-file", "blob", record["blob"], check=False)
-        if old.returncode != 0:
-            raise PatchsetError(f"{key}: its blob {record['blob'][:12]} is not in this repository's history")
-        if _change(parse_patch(patch.path, old.stdout)) != _change(patch):
-            raise PatchsetError(
-                f"{key}: the patch's diff or New-Files changed since blob {record['blob'][:12]}: run the job"
-            )
-        commits = out(project, "log", "--format=%H", "--", rel).split()
-        made = next((c for c in commits if out(project, "rev-parse", f"{c}:{rel}") == record["blob"]), None)
-        globs = [f":(glob){g}" for g in patch.new_files]
-        if made is None or (globs and git(project, "diff", "--quiet", made, "--", *globs, check=False).returncode):
-            raise PatchsetError(f"{key}: its new files changed since blob {record['blob'][:12]}: run the job")
-        ran_on = record.get("ran_on") or {"blob": record["blob"], "commit": made[:10]}
-        found[key] = {**record, "blob": blob, "ran_on": ran_on}
+        ran_on = record.get("ran_on") or {"blob": record["blob"], "commit": record.get("fork_commit", "")}
+        if ran_on["commit"].endswith("+dirty"):  # the session ran with uncommitted changes: the oldest commit it can be
+            ran_on["commit"] = ""
+        commit = ran_on["commit"] or _first_commit_with(project, rel, record["blob"])
+        if commit is None:
+            raise PatchsetError(f"{key}: no commit of this branch has blob {record['blob'][:12]} at {rel}")
+        if why := _unlike_run(project, patch, commit):
+            raise PatchsetError(f"{key}: {why}, where the job ran: run it again")
+        found[key] = {**record, "blob": blob, "ran_on": {"blob": ran_on["blob"], "commit": commit[:10]}}
         moved.append(key)
     if moved:
         store(project, "upstream-tests", found)
