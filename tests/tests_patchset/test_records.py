@@ -61,6 +61,7 @@ def test_checkpoints():
 
 def _pytest(tmp_path: Path) -> dict[str, Case]:
     write(tmp_path / "tests/test_demo.py", TESTS.replace("ROOT", str(tmp_path)))
+    write(tmp_path / "pytest.ini", "[pytest]\n")  # its own rootdir, wherever the temporary directory is (nox's is here)
     report = tmp_path / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
     subprocess.run([*cmd, f"--junitxml={report}", "tests"], cwd=tmp_path, capture_output=True, check=False)
@@ -97,7 +98,8 @@ def test_ruff_s_junit_and_the_findings_the_sessions_write(tmp_path: Path):
     write(tmp_path / "pkg/mod.py", "import sys\n\n\ndef f():\n    import os\n\n\ndef g():\n    import os\n")
     report = tmp_path / "ruff.xml"
     cmd = [sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select", "F401", "--output-format"]
-    proc = subprocess.run([*cmd, "junit", f"--output-file={report}", "."], cwd=tmp_path, capture_output=True)
+    # the file by name: ruff leaves out a folder under `.nox`, where the nox sessions' temporary directories are
+    proc = subprocess.run([*cmd, "junit", f"--output-file={report}", "pkg/mod.py"], cwd=tmp_path, capture_output=True)
     if b"No module named ruff" in proc.stderr:
         pytest.skip("ruff is not installed here")
     # ruff's classname is the file less `.py`; a finding's id has its message, and a second of the same is counted
