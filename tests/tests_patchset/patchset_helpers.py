@@ -15,8 +15,6 @@ import pytest
 
 from patchset import backend
 from patchset.pin import read_pin
-from patchset.records import blob_hash
-from patchset.series import Patch
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools"
@@ -65,18 +63,6 @@ def commit_as_project(monkeypatch: pytest.MonkeyPatch) -> str:
         monkeypatch.setenv(f"GIT_{role}_NAME", "Lightning patch set")
         monkeypatch.setenv(f"GIT_{role}_EMAIL", PROJECT_EMAIL)
     return f"Lightning patch set <{PROJECT_EMAIL}>"
-
-
-def upstream_record(patch: Patch, job: str, **fields: object) -> dict[str, object]:
-    """A record of one of upstream's jobs on the patch as it is now: every test passed, unless ``fields`` say."""
-    record = {
-        "key": f"{patch.name} {job}", "patch": patch.name, "job": job, "blob": blob_hash(patch.path),
-        "upstream": "1" * 40, "upstream_subject": "upstream", "local_commits": [], "installed": "torch 2.9.1",
-        "command": "pytest tests", "base_runs": "the same selection", "seconds": 600, "caused": 0,
-        "branch": {"passed": 3, "failed": 0, "skipped": 1}, "base": {"passed": 3, "failed": 0, "skipped": 1},
-        "failures": [],
-    }  # fmt: skip
-    return {**record, **fields}
 
 
 def write(path: Path, text: str) -> Path:

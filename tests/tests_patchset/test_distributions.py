@@ -15,9 +15,10 @@ from patchset_helpers import DEMO, FORK, REPO, build_in_process, pip_wheel, writ
 
 from patchset import PatchsetError
 from patchset.build_label import build_pin
-from patchset.distribution import finish_wheel, fork_metadata, fork_url
+from patchset.flavours import fork_url
 from patchset.overlay import overlay_files
 from patchset.pin import read_pin
+from patchset.series import read_series
 
 URL = "https://github.com/lightning-patchset/lightning-patchset"
 # distribution (as in wheel names) -> the flavour that builds it, and where each of our src/lightning files lands
@@ -141,39 +142,19 @@ def test_two_builds_of_one_commit_are_byte_identical(demo_project: Path, tmp_pat
         assert archive.testzip() is None
 
 
-def test_finish_wheel_uses_source_date_epoch_and_records_every_file(tmp_path: Path, monkeypatch):
-    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("demo/__init__.py", "X = 1\n")
-        archive.writestr("demo-1.0.dist-info/METADATA", "Name: demo\nHome-page: https://up\n\nDescription\n")
-        archive.writestr("demo-1.0.dist-info/RECORD", "stale\n")
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    finish_wheel(wheel, "https://fork")
-    with zipfile.ZipFile(wheel) as archive:
-        assert {info.date_time for info in archive.infolist()} == {(2023, 11, 14, 22, 13, 20)}
-        assert archive.read("demo-1.0.dist-info/METADATA").decode() == (
-            "Name: demo\nHome-page: https://fork\nDownload-URL: https://fork/releases\n"
-            "Project-URL: Bug Tracker, https://fork/issues\nProject-URL: Source Code, https://fork\n\nDescription\n"
-        )
-        record = archive.read("demo-1.0.dist-info/RECORD").decode().splitlines()
-    assert record[0] == "demo/__init__.py,sha256=Crrh4K5yghbuRJk8Wjp1X4scOH2Uf8TE9yyrDkqEIUs,6"
-    assert record[-1] == "demo-1.0.dist-info/RECORD,,"
+def test_a_bad_source_date_epoch_is_one_line(project: Path, tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
-    with pytest.raises(PatchsetError, match=r"SOURCE_DATE_EPOCH='yesterday': expected seconds since 1970"):
-        finish_wheel(wheel, "https://fork")
+    assert build_in_process(project, tmp_path / "dist", monkeypatch, capsys) == (
+        "patchset: error: SOURCE_DATE_EPOCH='yesterday': expected seconds since 1970, from 1980 on, as an integer\n"
+    )
 
 
-def test_fork_metadata_points_users_at_the_fork_and_keeps_the_rest():
-    upstream = (
-        "Metadata-Version: 2.4\nName: lightning\nHome-page: https://github.com/Lightning-AI/lightning\n"
-        "Project-URL: Bug Tracker, https://github.com/Lightning-AI/pytorch-lightning/issues\n"
-        "Project-URL: Documentation, https://lightning.ai/lightning-docs\n\n# Lightning\n\nHome-page: kept\n"
-    )
-    assert fork_metadata(upstream, URL) == (
-        f"Metadata-Version: 2.4\nName: lightning\nHome-page: {URL}\nProject-URL: Bug Tracker, {URL}/issues\n"
-        f"Project-URL: Documentation, https://lightning.ai/lightning-docs\nDownload-URL: {URL}/releases\n"
-        f"Project-URL: Source Code, {URL}\n\n# Lightning\n\nHome-page: kept\n"
-    )
+def test_lightnings_metadata_names_the_address_pyproject_declares():
+    """Patch 0001 writes the fork's address into upstream's setup metadata: the one pyproject.toml declares."""
+    fork_only = read_series(REPO)[0]
+    added = [line for s in fork_only.sections for line in s.text.decode().splitlines() if line.startswith("+ ")]
+    addresses = {line.split('"')[3] for line in added if "://" in line}
+    assert addresses == {URL, f"{URL}/issues", f"{URL}/releases"}
 
 
 def test_the_forks_address_is_declared_once_in_pyproject(tmp_path: Path):

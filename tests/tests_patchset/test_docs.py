@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from patchset_helpers import PROJECT_EMAIL, REPO
 
-from patchset.distribution import fork_url
+from patchset.flavours import fork_url
 from patchset.pin import read_pin
 from patchset.release import unreleased_notes
 from patchset.series import CHANGELOG_SECTIONS, read_series
 
 README = REPO / "README.md"
 # the fork's own pages for users and maintainers (benchmark pages record the machine they ran on, as they should)
-PAGES = [README, *(REPO / name for name in ("CHANGELOG.md", "docs/maintaining.md", "docs/upstream-tests.md"))]
+PAGES = [README, *(REPO / name for name in ("CHANGELOG.md", "docs/maintaining.md"))]
 PAGES.append(REPO / "docs" / "torch-matrix.md")
 
 

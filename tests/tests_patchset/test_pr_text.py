@@ -1,29 +1,25 @@
-"""The PR text (upstream's template, every item answered from the patch and the records of upstream's jobs) and the
+"""The PR text (upstream's template, every item answered from the patch and the last `nox -s upstream` run) and the
 feature request a patch's feature needs upstream first (upstream's issue form, filled from the project's file)."""
 
+import hashlib
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import PR_TEMPLATE, REPO, copy_project, git, upstream_record, write
+from patchset_helpers import PR_TEMPLATE, REPO, copy_project, write
 
 from patchset import PatchsetError
-from patchset.distribution import fork_url
-from patchset.pin import read_pin
+from patchset.flavours import fork_url
 from patchset.pr_text import (
     NOT_ANSWERED,
+    UPSTREAM_RUNS,
+    benchmark_links,
     breaking_changes,
-    feature_request,
-    fill_form,
     fill_template,
-    form_fields,
     unanswered,
 )
-from patchset.records import JOBS, add
 from patchset.series import read_series
-from patchset.workspace import base_repo
 
 UPSTREAM_BOUND = [patch for patch in read_series(REPO) if patch.upstreamable]
 
@@ -62,17 +58,24 @@ def test_every_item_of_the_template_gets_an_answer(patch):
     assert "- [ ] Is this pull request ready for review?" in text  # the reviewers' checklist is theirs
 
 
-def test_the_benchmark_line_links_the_tables_benchmark_pages_in_the_fork():
-    table = (REPO / "docs/maintaining.md").read_text(encoding="utf-8")
-    with_benchmark = [p for p in UPSTREAM_BOUND if re.search(rf"^\| {p.name[:4]} \|.*benchmark\]", table, re.M)]
+def test_the_benchmark_line_links_the_pages_the_patch_names_in_the_fork():
+    with_benchmark = [p for p in UPSTREAM_BOUND if p.trailers.get("Benchmark")]
     assert with_benchmark  # 0002's stress benchmark, 0004's benchmark
     for patch in UPSTREAM_BOUND:
         lines = [line for line in fill_template(PR_TEMPLATE, REPO, patch).splitlines() if line.startswith("Benchmark:")]
         if patch in with_benchmark:
-            assert lines
-            assert f"]({fork_url(REPO)}/blob/main/docs/" in lines[0]
+            for page in patch.field("Benchmark").split():
+                assert f"]({fork_url(REPO)}/blob/main/{page})" in lines[0]
         else:
             assert lines == []
+
+
+def test_a_benchmark_page_that_is_not_there_is_one_error(tmp_path: Path):
+    project = copy_project(tmp_path / "project")
+    patch = read_series(project)[0]
+    patch.trailers["Benchmark"] = ["docs/gone.md"]
+    with pytest.raises(PatchsetError, match=r"^0001-.*: Benchmark: docs/gone.md is not a file of the project$"):
+        benchmark_links(project, patch)
 
 
 def _tests_line(text: str) -> str:
@@ -80,59 +83,25 @@ def _tests_line(text: str) -> str:
     return line
 
 
-def test_the_tests_item_is_ticked_only_when_every_job_is_recorded_on_this_patch_with_nothing_caused(tmp_path: Path):
-    project = copy_project(tmp_path / "project", include=("patches", "tools", "pyproject.toml", "docs/maintaining.md"))
-    (project / "docs/records/upstream-tests.json").unlink(missing_ok=True)
+def test_the_tests_item_is_what_the_last_upstream_session_found_on_this_version_of_the_patch(tmp_path: Path):
+    project = copy_project(tmp_path / "project")
     patch = read_series(project)[2]
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [ ] ")
-    assert "newest torch allowed: not recorded for this version of the patch" in line
+    assert f"Not yet: `nox -s upstream -- {patch.name[:4]}`" in line
 
-    for job in JOBS:
-        add(project, "upstream-tests", upstream_record(patch, job))
+    result = f"`nox -s upstream -- {patch.name[:4]}` at abc1234 on upstream 7f0c343: 900 passed, 0 failed, 9 skipped"
+    saved = project / UPSTREAM_RUNS / f"{patch.name[:4]}.txt"
+    write(saved, f"{hashlib.sha256(patch.data).hexdigest()}\n{result}\n0\n")
     line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
     assert line.startswith("- [x] ")
-    assert "0 caused by this PR" in line
+    assert line.endswith(result)
 
-    failure = {"id": "tests/test_a.py::test", "reason": "AssertionError", "caused": True}
-    branch = {"passed": 1, "failed": 1, "skipped": 0}
-    add(project, "upstream-tests", upstream_record(patch, "oldest", branch=branch, failures=[failure], caused=1))
-    line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
-    assert line.startswith("- [ ] ")
-    assert "oldest requirements: 1 passed, 1 failed, 0 skipped, 1 caused by this PR" in line
+    write(saved, f"{hashlib.sha256(patch.data).hexdigest()}\n{result}\n2\n")  # two failures the base does not have
+    assert _tests_line(fill_template(PR_TEMPLATE, project, patch)).startswith("- [ ] ")
 
-    patch.path.write_text(patch.path.read_text() + "\n")  # the patch changed after its runs: they are stale
-    assert "not recorded for this version" in _tests_line(fill_template(PR_TEMPLATE, project, read_series(project)[2]))
-
-
-def test_the_tests_item_names_the_cause_of_each_failure_the_base_has_too(tmp_path: Path):
-    """A maintainer reads why the branch's failures are not the PR's: a known cause of the machine, or the test."""
-    project = copy_project(tmp_path / "project", include=("patches", "tools", "pyproject.toml", "docs/maintaining.md"))
-    (project / "docs/records/upstream-tests.json").unlink(missing_ok=True)
-    patch = read_series(project)[2]
-    legacy = 'AssertionError: No checkpoints found in folder "<checkout>/tests/legacy/checkpoints/1.0.0"'
-    newest = [
-        {"id": "tests/legacy/test_ckpt.py::test_load[1.0.0]", "reason": legacy, "caused": False, "more": 2},
-        {"id": "tests/unit/test_b.py::test_b", "reason": "ValueError: flaky", "caused": False},
-    ]
-    oldest = [
-        {"id": "tests/gpu/test_c.py::test_c", "reason": "RuntimeError: only supported on CUDA GPUs.", "caused": False}
-    ]
-    mypy = [{"id": "src/x.py::return-value: Incompatible return value type", "reason": "Incompatible", "caused": False}]
-    counts = {"newest": (5, 4, 0, newest), "oldest": (5, 1, 2, oldest), "mypy": (0, 1, 0, mypy), "ruff": (0, 0, 0, [])}
-    for job, (passed, failed, skipped, failures) in counts.items():
-        branch = {"passed": passed, "failed": failed, "skipped": skipped}
-        add(project, "upstream-tests", upstream_record(patch, job, branch=branch, failures=failures))
-
-    line = _tests_line(fill_template(PR_TEMPLATE, project, patch))
-    assert line.startswith("- [x] ")
-    assert (
-        "newest torch allowed: 5 passed, 4 failed (1 `test_b.py::test_b`; 3 the legacy checkpoints not downloaded,"
-        " as on the base), 0 skipped, 0 caused by this PR" in line
-    )
-    assert "oldest requirements: 5 passed, 1 failed (`test_c.py::test_c`: needs a CUDA GPU, as on the base)" in line
-    assert "code-checks.yml runs it: 1 finding (`src/x.py::return-value`, as on the base), 0 caused" in line
-    assert "pre-commit hooks run them: no findings, 0 caused by this PR" in line
+    patch.path.write_text(patch.path.read_text() + "\n")  # the patch changed after its run: the result is stale
+    assert "Not yet" in _tests_line(fill_template(PR_TEMPLATE, project, read_series(project)[2]))
 
 
 def test_an_item_the_rules_do_not_know_is_marked_and_named():
@@ -153,69 +122,12 @@ def test_upstreams_own_template():
         assert unanswered(fill_template(template, REPO, patch)) == []
 
 
-# an issue form as GitHub reads them: a markdown block, two text fields (one required), a dropdown
-FORM = """name: Ask for something
-description: A form of the tests' own
-labels: ["needs triage", "feature"]
-body:
-  - type: markdown
-    attributes:
-      value: Thanks!
-  - type: textarea
-    attributes:
-      label: What and why
-    validations:
-      required: true
-  - type: dropdown
-    attributes:
-      label: Area
-      options: [a, b]
-  - type: textarea
-    attributes:
-      label: Other options
-    validations:
-      required: false
-"""
-BUG_FORM = 'name: Bug\nlabels: ["bug"]\nbody:\n  - type: textarea\n    attributes:\n      label: What broke\n'
-
 REQUEST = """# Let the demo do more
 
 ## What and why
 
 It cannot do more. Run `python -c 'print(1)'`.
 """
-
-
-def test_the_form_s_text_fields_are_read_in_order_with_what_they_require():
-    assert form_fields(FORM) == [("What and why", True), ("Other options", False)]
-
-
-def test_each_field_gets_its_section_and_a_missing_optional_one_says_no_response():
-    body = fill_form(form_fields(FORM), REQUEST.split("\n", 1)[1], "request.md")
-    assert (
-        body
-        == "### What and why\n\nIt cannot do more. Run `python -c 'print(1)'`.\n\n### Other options\n\n_No response_\n"
-    )
-
-
-@pytest.mark.parametrize(
-    ("text", "error"),
-    [
-        ("## Other options\n\nnone\n", "request.md: upstream's form requires 'What and why'; add a `## What and why`"),
-        ("## What and why\n\nx\n\n## Pitch\n\ny\n", "request.md: no field 'Pitch' in upstream's form (it has Other"),
-    ],
-)
-def test_a_required_field_left_out_or_a_section_the_form_lacks_is_one_error(text, error):
-    with pytest.raises(PatchsetError) as err:
-        fill_form(form_fields(FORM), text, "request.md")
-    assert str(err.value).startswith(error)
-
-
-@pytest.fixture
-def upstream_checkout(project: Path, tmp_path: Path) -> Path:
-    onto = tmp_path / "upstream"
-    base_repo(read_pin(project), onto)
-    return onto
 
 
 @pytest.fixture
@@ -230,17 +142,8 @@ def project_with_request(project: Path) -> Path:
     return project
 
 
-def test_the_request_is_upstream_s_feature_form_filled_and_the_pr_text_refers_to_it(
-    project_with_request: Path, upstream_checkout: Path
-):
-    write(upstream_checkout / ".github/ISSUE_TEMPLATE/1_bug.yaml", BUG_FORM)
-    write(upstream_checkout / ".github/ISSUE_TEMPLATE/3_feature.yaml", FORM)
-    git(upstream_checkout, "add", "-A")
-    git(upstream_checkout, "commit", "-qm", "issue forms")
+def test_the_pr_text_refers_to_the_request_to_file_first(project_with_request: Path):
     (patch,) = read_series(project_with_request)
-    text = feature_request(project_with_request, patch, upstream_checkout, "HEAD")
-    assert text is not None
-    assert text.startswith("# Let the demo do more\n\n### What and why\n\nIt cannot do more.")  # not the bug form
     url = f"{fork_url(project_with_request)}/blob/main/docs/upstream-requests/0001-demo.md"
     description = fill_template(PR_TEMPLATE, project_with_request, patch).splitlines()
     assert f"Implements the feature request to be filed first, from {url}: put its number here." in description
@@ -249,23 +152,24 @@ def test_the_request_is_upstream_s_feature_form_filled_and_the_pr_text_refers_to
     assert agreed.endswith(f"Not yet: the feature request ({url}) is to be filed and agreed first.")
 
 
-def test_a_field_naming_no_file_of_the_project_is_one_error(project_with_request: Path, upstream_checkout: Path):
+def test_a_field_naming_no_file_of_the_project_is_one_error(project_with_request: Path):
     (project_with_request / "docs/upstream-requests/0001-demo.md").unlink()
     (patch,) = read_series(project_with_request)
     with pytest.raises(PatchsetError, match=r"Feature-Request: docs/upstream-requests/0001-demo\.md is not a file"):
-        feature_request(project_with_request, patch, upstream_checkout, "HEAD")
-
-
-def test_a_patch_without_the_field_has_no_request(project: Path, upstream_checkout: Path):
-    (patch,) = read_series(project)
-    assert feature_request(project, patch, upstream_checkout, "HEAD") is None
+        fill_template(PR_TEMPLATE, project_with_request, patch)
 
 
 @pytest.mark.skipif(not os.environ.get("PATCHSET_UPSTREAM"), reason="PATCHSET_UPSTREAM names no upstream checkout")
-def test_each_request_of_the_series_fills_upstream_s_own_form():
-    onto = Path(os.environ["PATCHSET_UPSTREAM"])
-    base = subprocess.run(["git", "-C", str(onto), "rev-parse", "origin/HEAD"], capture_output=True, text=True).stdout
-    requests = [p for p in read_series(REPO) if p.field("Feature-Request")]
+def test_each_request_of_the_series_has_the_sections_of_upstreams_feature_form():
+    """Each request is ready to file: its sections are the text fields of upstream's form, its required ones filled."""
+    yaml = pytest.importorskip("yaml")
+    forms = Path(os.environ["PATCHSET_UPSTREAM"], ".github", "ISSUE_TEMPLATE").glob("*.yaml")
+    form = next(f for f in map(yaml.safe_load, (p.read_text() for p in forms)) if "feature" in f.get("labels", []))
+    fields = [f for f in form["body"] if f.get("type") in ("textarea", "input")]
+    requests = [REPO / p.field("Feature-Request") for p in read_series(REPO) if p.field("Feature-Request")]
     assert requests
-    for patch in requests:
-        assert feature_request(REPO, patch, onto, base.strip())
+    for request in requests:
+        sections = dict(re.findall(r"(?ms)^## (.+?)\n(.*?)(?=^## |\Z)", request.read_text(encoding="utf-8")))
+        assert set(sections) <= {f["attributes"]["label"] for f in fields}, request.name
+        for field in (f for f in fields if f.get("validations", {}).get("required")):
+            assert sections.get(field["attributes"]["label"], "").strip(), (request.name, field["attributes"]["label"])

@@ -1,6 +1,7 @@
 """rebase: replay the series onto a new upstream release made from the real sdist."""
 
 import re
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -64,13 +65,11 @@ def test_clean_rebase_pins_the_new_release(project: Path, upstream_sdist: Path, 
 
 
 def test_a_patch_upstream_took_is_dropped(project: Path, upstream_sdist: Path, tmp_path: Path):
-    taken = _edit(
-        SETUP,
-        "    # toto: remove when we realize that this is making confusion as cross pkg import is not fully compatible\n"
-        '    install_requires += ["pytorch-lightning"]\n',
-        "    # The patch set's `lightning` is self-contained; `pytorch-lightning` from the index would be an unpatched"
-        " copy.\n",
-    )
+    patch = read_series(project)[0].path
+
+    def taken(tree: Path) -> None:  # upstream's release has the patch's whole change
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+
     sdist = _release(upstream_sdist, tmp_path, "2.7.0", taken)
     result = rebase(project, "2.7.0", sdist=sdist, sha256=file_sha256(sdist))
     assert result.dropped == ["build: do not pull the unpatched pytorch-lightning distribution"]

@@ -1,7 +1,8 @@
 """In-tree PEP 517 / PEP 660 build backend: builds the fork by delegating to upstream's own setuptools build.
 
 It never imports torch or lightning. Each hook makes the fork's tree in a temporary folder (:mod:`patchset.materialize`)
-and runs setuptools' backend there; what setuptools builds is finished by :mod:`patchset.distribution`.
+and runs setuptools' backend there. setuptools makes the wheels reproducible: the hooks set ``SOURCE_DATE_EPOCH``
+(1980-01-01, the earliest a zip holds) where the user has not, so two builds of one commit give the same bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any, TypeVar
 
 from patchset import PatchsetError, flavours
 from patchset.build_label import build_pin
-from patchset.distribution import finish_wheel, fork_metadata, fork_url
 from patchset.gitops import git
 from patchset.materialize import build_tree
 from patchset.overlay import SKIPPED
@@ -28,6 +28,7 @@ from patchset.pin import PIN_FILE, read_pin
 
 _T = TypeVar("_T")
 ConfigSettings = dict[str, Any] | None
+EPOCH_ENV, ZIP_EPOCH = "SOURCE_DATE_EPOCH", "315532800"
 EDITABLE_TREE = Path(".work") / "editable"
 # what the patch set's own sdist holds: everything else (caches, build output, editor files) stays out
 SDIST_CONTENTS: tuple[str, ...] = (
@@ -49,7 +50,10 @@ def _reports_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> _T:
+        epoch = os.environ.setdefault(EPOCH_ENV, ZIP_EPOCH).strip()
         try:
+            if not epoch.isdigit() or int(epoch) < int(ZIP_EPOCH):
+                raise PatchsetError(f"{EPOCH_ENV}={epoch!r}: expected seconds since 1970, from 1980 on, as an integer")
             return fn(*args, **kwargs)
         except PatchsetError as err:
             print(f"patchset: error: {err}", file=sys.stderr, flush=True)
@@ -75,7 +79,7 @@ def _fork_tree() -> Iterator[None]:
         tree = build_tree(Path.cwd(), Path(tmp) / "tree")
         flavours.add_data_extra(tree)
         if flavour is not None:
-            flavours.prepare(tree, flavour)
+            flavours.prepare(tree, flavour, flavours.fork_url(Path.cwd()))
         with _inside(tree):
             yield
 
@@ -96,22 +100,16 @@ get_requires_for_build_editable = get_requires_for_build_sdist = get_requires_fo
 
 @_reports_errors
 def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: ConfigSettings = None) -> str:
-    target, url = os.path.abspath(metadata_directory), fork_url(Path.cwd())
     with _fork_tree():
-        name = str(_setuptools().prepare_metadata_for_build_wheel(target, config_settings))
-    metadata = Path(target) / name / "METADATA"
-    metadata.write_bytes(fork_metadata(metadata.read_bytes().decode("utf-8"), url).encode("utf-8"))
-    return name
+        return str(_setuptools().prepare_metadata_for_build_wheel(os.path.abspath(metadata_directory), config_settings))
 
 
 @_reports_errors
 def build_wheel(
     wheel_directory: str, config_settings: ConfigSettings = None, metadata_directory: str | None = None
 ) -> str:
-    target, url = os.path.abspath(wheel_directory), fork_url(Path.cwd())
     with _fork_tree():
-        name = str(_setuptools().build_wheel(target, config_settings))
-    return finish_wheel(Path(target) / name, url)
+        return str(_setuptools().build_wheel(os.path.abspath(wheel_directory), config_settings))
 
 
 def _lightning_only() -> None:
@@ -134,12 +132,11 @@ def build_editable(
 ) -> str:
     """PEP 660: the installed fork points at ``.work/editable``, whose new files are links to this checkout's."""
     _lightning_only()
-    target, url = os.path.abspath(wheel_directory), fork_url(Path.cwd())
+    target = os.path.abspath(wheel_directory)
     tree = build_tree(Path.cwd(), Path.cwd() / EDITABLE_TREE, link=True)
     flavours.add_data_extra(tree)
     with _inside(tree):
-        name = str(_setuptools().build_editable(target, config_settings))
-    return finish_wheel(Path(target) / name, url)
+        return str(_setuptools().build_editable(target, config_settings))
 
 
 @_reports_errors

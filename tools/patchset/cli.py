@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.check import check, check_upstream
+from patchset.check import check
 from patchset.export import diff_text, export, preview
 from patchset.pin import fetch_sdist, read_pin
-from patchset.pr_text import feature_request, pr_description, unanswered
+from patchset.pr_text import pr_description, unanswered
 from patchset.rebase import rebase
-from patchset.records import carry
 from patchset.release import release
 from patchset.series import find_patch
 from patchset.upstream_pr import default_base, import_pr, upstream_pr
@@ -36,8 +35,6 @@ def _export(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     findings = check(args.project)
-    if args.upstream is not None:
-        findings += check_upstream(args.project, args.upstream.resolve(), args.base)
     for finding in findings:
         print(("ok    " if finding.ok else "FAIL  ") + finding.message)
     return 0 if all(f.ok for f in findings) else 1
@@ -47,25 +44,18 @@ def _upstream_pr(args: argparse.Namespace) -> int:
     onto, patch = args.onto.resolve(), find_patch(args.project, args.patch)
     branch = upstream_pr(args.project, args.patch, onto, args.branch, args.base, args.force, args.author)
     print(f"created branch {branch} in {onto}")
-    base = args.base or default_base(args.project, patch, onto)
-    stem = args.project / ".work" / "pr" / patch.name.removesuffix(".patch")
     try:  # the branch is made: a text that cannot be written is said, and the command still succeeds
-        text = pr_description(args.project, patch, onto, base)
-        request = feature_request(args.project, patch, onto, base)
+        text = pr_description(args.project, patch, onto, args.base or default_base(args.project, patch, onto))
     except PatchsetError as err:
         print(f"no PR description written: {err}", file=sys.stderr)
         return 0
-    if str(args.description) == "-":
+    path = args.description or args.project / ".work" / "pr" / patch.name.replace(".patch", ".md")
+    if str(path) == "-":
         print(text, end="")
-    texts: dict[str, tuple[Path, str | None]] = {
-        "the PR description": (args.description or stem.with_suffix(".md"), text)
-    }
-    texts["the feature request to file first"] = (stem.with_suffix(".feature-request.md"), request)
-    for what, (path, content) in texts.items():
-        if content is not None and str(path) != "-":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content, encoding="utf-8")
-            print(f"wrote {what} to {path}")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote the PR description to {path}")
     for line in unanswered(text):
         print(f"not answered (upstream's template has an item upstream-pr does not know): {line}", file=sys.stderr)
     return 0
@@ -78,13 +68,6 @@ def _import_pr(args: argparse.Namespace) -> int:
         print(
             f"not taken: {path} (a file the sdist ships, or a new file no New-Files glob owns): edit it in .work/tree"
         )
-    return 0
-
-
-def _carry_records(args: argparse.Namespace) -> int:
-    patch = find_patch(args.project, args.patch)
-    moved = carry(args.project, patch)
-    print(f"{patch.name}: " + (f"{len(moved)} records moved to its current blob" if moved else "no record to move"))
     return 0
 
 
@@ -126,9 +109,7 @@ def parser() -> argparse.ArgumentParser:
     cmd = command("export", _export, "write the workspace's commits back to patches/")
     cmd.add_argument("--check", action="store_true", help="only report (with the diff); fail if a patch would change")
     cmd.add_argument("--force", action="store_true", help="overwrite patches/ changed since materialize")
-    cmd = command("check", _check, "the series' rules; every patch applies to the pinned base with zero fuzz")
-    cmd.add_argument("--upstream", type=Path, metavar="CHECKOUT", help="also apply each upstream-bound patch, whole")
-    cmd.add_argument("--base", help="with --upstream: the branch or commit (default: upstream's default branch)")
+    command("check", _check, "the series' rules; every patch applies to the pinned base with zero fuzz")
     for name, run, what in (("import-pr", _import_pr, "take a PR branch's upstream-only edits and new files back"),
                             ("upstream-pr", _upstream_pr, "make a patch's upstream PR branch and texts")):  # fmt: skip
         cmd = command(name, run, what)
@@ -139,10 +120,7 @@ def parser() -> argparse.ArgumentParser:
     cmd.add_argument("--force", action="store_true", help="recreate the branch if it exists")  # upstream-pr's
     cmd.add_argument("--author", help="'Name <address>' for the commit (default: the patch's author)")
     cmd.add_argument("--description", type=Path, metavar="FILE", help="where the PR text goes; - prints it (default:"
-                     " .work/pr/<patch>.md, beside <patch>.feature-request.md)")  # fmt: skip
-    cmd = command("carry-records", _carry_records, "move a patch's records of upstream's jobs to its current blob,"
-                  " where only its message changed")  # fmt: skip
-    cmd.add_argument("patch", help="patch file name or number, e.g. 0003")
+                     " .work/pr/<patch>.md)")  # fmt: skip
     cmd = command("rebase", _rebase, "replay the series onto a new upstream release in .work/tree")
     cmd.add_argument("version", help="the new upstream version, e.g. 2.6.7")
     cmd.add_argument("--sdist", type=Path, help="a local copy of the new sdist (default: pip download)")

@@ -1,5 +1,8 @@
 """The ``pytorch-lightning`` and ``lightning-fabric`` distributions of the fork, built as upstream builds them.
 
+The fork's address (``url`` in ``[tool.patchset]`` of ``pyproject.toml``) is where these distributions' metadata send
+users for the code and its bugs, as patch 0001 makes ``lightning``'s do.
+
 With ``PACKAGE_NAME`` set to ``pytorch`` or ``fabric``, upstream's ``setup.py`` mirrors ``lightning.pytorch`` /
 ``lightning.fabric`` into ``pytorch_lightning`` / ``lightning_fabric`` with its own import rewriting and calls the
 flavour's ``__setup__.py``. Upstream keeps each flavour's ``__setup__.py``, ``__about__.py``, ``__version__.py`` and
@@ -13,11 +16,18 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from patchset import PatchsetError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10: the same parser, from the index (build-system.requires lists it)
+    import tomli as tomllib
 
 PACKAGE_NAME_ENV = "PACKAGE_NAME"
 _SHARED_ABOUT = ("__author__", "__author_email__", "__license__", "__homepage__", "__docs_url__")
@@ -113,8 +123,8 @@ def _setup_args():
         "description": about.__docs__,
         "author": about.__author__,
         "author_email": about.__author_email__,
-        "url": about.__homepage__,
-        "download_url": "https://github.com/Lightning-AI/lightning",
+        "url": "{url}",
+        "download_url": "{url}/releases",
         "license": about.__license__,
         "packages": find_packages(where="src", include={includes!r}),
         "package_dir": {{"": "src"}},
@@ -129,9 +139,9 @@ def _setup_args():
         "install_requires": assistant.load_requirements(_PATH_REQUIREMENTS, unfreeze=_UNFREEZE),
         "extras_require": _prepare_extras(assistant),
         "project_urls": {{
-            "Bug Tracker": "https://github.com/Lightning-AI/pytorch-lightning/issues",
+            "Bug Tracker": "{url}/issues",
             "Documentation": "https://pytorch-lightning.rtfd.io/en/latest/",
-            "Source Code": "https://github.com/Lightning-AI/lightning",
+            "Source Code": "{url}",
         }},
         "classifiers": {classifiers!r},{entry_points}
     }}
@@ -166,6 +176,20 @@ with open(os.path.join(os.path.dirname(__file__), "version.info"), encoding="utf
 """
 
 
+def fork_url(project: Path) -> str:
+    """The fork's public address: ``[tool.patchset] url`` in ``pyproject.toml``."""
+    path = project / "pyproject.toml"
+    try:
+        url = tomllib.loads(path.read_text(encoding="utf-8")).get("tool", {}).get("patchset", {}).get("url")
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise PatchsetError(f"{path}: cannot read the fork's settings ({err})") from err
+    if not isinstance(url, str) or not re.fullmatch(r"https://[^\s/]+(/[^\s/]+)+", url):
+        raise PatchsetError(
+            f"{path}: [tool.patchset] url must be the fork's https address without a trailing slash, got {url!r}"
+        )
+    return url
+
+
 def add_data_extra(tree: Path) -> None:
     """Write the requirement file of ``lightning[data]``, which the sdist does not ship, unless it ships one."""
     path = tree / "requirements" / "data" / "data.txt"
@@ -182,7 +206,7 @@ def requested() -> Flavour | None:
     return FLAVOURS.get(name)
 
 
-def prepare(tree: Path, flavour: Flavour) -> None:
+def prepare(tree: Path, flavour: Flavour, url: str) -> None:
     """Give upstream's ``setup.py`` what it needs to build ``flavour`` from ``tree``, as upstream's repository does."""
     about = tree / "src" / "lightning" / "__about__.py"
     values = {}
@@ -206,7 +230,7 @@ def prepare(tree: Path, flavour: Flavour) -> None:
             else ""
         )
         includes = [pattern for package in own.packages for pattern in (package, f"{package}.*")]
-        text = _SETUP.format(distribution=own.distribution, package=own.package, requirements=own.requirements,
+        text = _SETUP.format(distribution=own.distribution, package=own.package, requirements=own.requirements, url=url,
                              includes=includes, classifiers=list(own.classifiers), entry_points=scripts)  # fmt: skip
         (folder / "__setup__.py").write_text(text, encoding="utf-8")
     shutil.copyfile(tree / "README.md", tree / "src" / flavour.package / "README.md")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.pin import PIN_FILE
-from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, field_lines, read_series, series_entries
+from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, read_series, series_entries
 
 # DEP-3: `Forwarded` is `no`, `not-needed` or where the patch was sent; `Applied-Upstream` appears only once upstream
 # has the patch, and names the version, URL or commit that has it.
@@ -75,11 +75,13 @@ def patch_problems(patch: Patch) -> list[str]:
     for line in "\n".join(paragraphs[:-1]).splitlines():
         if (key := _FIELD_LIKE.match(line)) and key.group(1).strip().lower() in known:
             problems.append(f"the field line {line.strip()!r} is not in the last paragraph, where fields go")
-    if any(_FIELD_LIKE.match(line) for line in paragraphs[-1].splitlines()):
-        for entry in field_lines(paragraphs[-1]):
-            if entry.key not in KNOWN_FIELDS or not entry.value:
+    if any(_FIELD_LIKE.match(line) for line in paragraphs[-1].splitlines()):  # git reads the fields: each line one
+        keys = [key for key in patch.trailers for _ in patch.trailers[key]]
+        for line in (line for line in paragraphs[-1].splitlines() if line[:1] not in (" ", "\t")):
+            key = line.partition(":")[0]
+            if key not in keys or key not in KNOWN_FIELDS or not line.partition(":")[2].strip():
                 what = f"a `Key: value` field with a known key ({', '.join(KNOWN_FIELDS)})"
-                problems.append(f"{entry.lines[0].strip()!r} is not {what}")
+                problems.append(f"{line.strip()!r} is not {what}")
     if len(patch.trailers.get("Forwarded", [])) != 1:
         problems.append("needs exactly one `Forwarded:` field (`no`, `not-needed` or the PR's URL)")
     if len(patch.trailers.get("Applied-Upstream", [])) > 1:

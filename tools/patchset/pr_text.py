@@ -1,38 +1,35 @@
-"""A patch's PR text, upstream's ``.github/PULL_REQUEST_TEMPLATE.md`` answered, and the feature request it needs.
+"""A patch's PR text: upstream's ``.github/PULL_REQUEST_TEMPLATE.md``, every item answered.
 
-The template and the issue forms are read from the upstream checkout at the PR's base, so the texts follow upstream's
-current ones. Each *Before submitting* item is answered from what the project has, never assumed: the agreement from
+The template is read from the upstream checkout at the PR's base, so the text follows upstream's current one. Each
+*Before submitting* item is answered from what the project has, never assumed: the agreement from
 ``Agreed:`` (an issue alone is no agreement), one thing from the series (``Depends-On:`` names the PR it stacks on),
 docs and tests from the patch's files, the CHANGELOG from its entries, breaking changes from its ``Removed`` and
-``Changed`` entries, and the tests from the records of upstream's jobs at the patch's current blob. Reading the
-contributor guide is left to whoever opens the PR; an item no rule knows is marked :data:`NOT_ANSWERED`.
+``Changed`` entries, the benchmark from ``Benchmark:``, and the tests from the last ``nox -s upstream`` run of this
+version of the patch, if this checkout has one (:data:`UPSTREAM_RUNS`, never committed). Reading the contributor guide
+is left to whoever opens the PR; an item no rule knows is marked :data:`NOT_ANSWERED`.
 
-A feature without an upstream issue names the project's request text with ``Feature-Request: <file>``: one
-``## <field>`` section per field of upstream's feature request form (the issue form labelled ``feature``).
+A feature without an upstream issue names the project's request with ``Feature-Request: <file>``, ready to file: one
+``## <label>`` section per field of upstream's feature request form, pasted into the form's fields as they are.
 """
 
 from __future__ import annotations
 
-import posixpath
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from patchset import PatchsetError
-from patchset.distribution import fork_url
+from patchset.flavours import fork_url
 from patchset.gitops import git
 from patchset.overlay import overlay_files
-from patchset.records import JOBS, TITLES, blob_hash, load, pre_existing
 from patchset.series import Patch, issue_lines, issue_refs
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
-FORMS = ".github/ISSUE_TEMPLATE"
-PATCH_TABLE = "docs/maintaining.md"  # its table of patches: a row each, with the patch's docs and benchmark links
 NOT_ANSWERED = "**not answered**"
-CHECKS = ("mypy", "ruff")  # jobs whose failed cases are findings, with nothing that passes
+# what `nox -s upstream -- NNNN` found last, per patch (NNNN.txt): the patch file's sha256, the session's result line
+# (its command, the commits and the counts), and the number of failures the patch caused
+UPSTREAM_RUNS = Path(".work") / "upstream"
 _ITEM = re.compile(r"^- (\[[ x]\] )?(.+)$")
 
 
@@ -63,91 +60,22 @@ def _in_fork(project: Path, rel: str) -> str:
     return f"{fork_url(project)}/blob/main/{rel}"
 
 
-def form_fields(form: str) -> list[tuple[str, bool]]:
-    """The text fields (``textarea``, ``input``) of a GitHub issue form: their labels and whether they are required."""
-    body = yaml.safe_load(form).get("body", [])
-    return [(f["attributes"]["label"], bool(f.get("validations", {}).get("required"))) for f in body
-            if f.get("type") in ("textarea", "input")]  # fmt: skip
-
-
-def fill_form(fields: list[tuple[str, bool]], text: str, where: str) -> str:
-    """The issue's body: each field of the form with its ``## <label>`` section of ``text``."""
-    parts = re.split(r"^## (.+?)\s*$", text, flags=re.M)
-    sections = {label.strip(): body.strip() for label, body in zip(parts[1::2], parts[2::2], strict=True)}
-    labels = [label for label, _ in fields]
-    if unknown := [label for label in sections if label not in labels]:
-        raise PatchsetError(f"{where}: no field {unknown[0]!r} in upstream's form (it has {', '.join(sorted(labels))})")
-    if missing := [label for label, required in fields if required and not sections.get(label)]:
-        raise PatchsetError(f"{where}: upstream's form requires {missing[0]!r}; add a `## {missing[0]}` section")
-    return "\n\n".join(f"### {label}\n\n{sections.get(label) or '_No response_'}" for label in labels) + "\n"
-
-
-def feature_request(project: Path, patch: Patch, onto: Path, base: str) -> str | None:
-    """The patch's feature request, upstream's feature form filled in, with its title; ``None`` without one."""
-    path = request_path(project, patch)
-    if path is None:
-        return None
-    listing = git(onto, "ls-tree", "--name-only", f"{base}:{FORMS}", check=False, isolated=False).stdout.decode()
-    forms = [
-        _show(onto, base, f"{FORMS}/{name}") for name in sorted(listing.split()) if name.endswith((".yaml", ".yml"))
-    ]
-    form = next((f for f in forms if "feature" in (yaml.safe_load(f) or {}).get("labels", [])), None)
-    if form is None:
-        raise PatchsetError(f"{onto} has no issue form labelled `feature` in {FORMS} at {base}")
-    text, rel = path.read_text(encoding="utf-8"), path.relative_to(project).as_posix()
-    title = re.search(r"^# (.+?)\s*$", text, flags=re.M)
-    if title is None:
-        raise PatchsetError(f"{rel}: the request's title, a `# ` line, is missing")
-    return f"# {title.group(1)}\n\n" + fill_form(form_fields(form), text[title.end() :], rel)
-
-
 def benchmark_links(project: Path, patch: Patch) -> list[str]:
-    """The benchmark pages of the patch's row in the maintainers' table, as addresses in the fork's repository."""
-    table = project / PATCH_TABLE
-    if not table.is_file():
-        raise PatchsetError(f"{table}: missing; it holds the table of patches that the PR texts take links from")
-    rows = [line for line in table.read_text(encoding="utf-8").splitlines() if line.startswith(f"| {patch.name[:4]} |")]
-    links = re.findall(r"\[([^\]]*benchmark[^\]]*)\]\(([^)\s]+)\)", "".join(rows[:1]), flags=re.I)
-    folder = posixpath.dirname(PATCH_TABLE)
-    return [
-        f"[{t}]({a if '://' in a else _in_fork(project, posixpath.normpath(posixpath.join(folder, a)))})"
-        for t, a in links
-    ]
-
-
-def _job_result(job: str, record: dict[str, Any]) -> str:
-    """A job's counts on the PR branch; the failures the base has too, by their cause or their first id."""
-    groups = pre_existing(record["failures"])
-    said = []
-    for cause, count, first in groups:
-        name = first["id"].split(": ")[0]  # a finding's id is its file and code, then its message
-        name = f"`{name if job in CHECKS else name.rsplit('/', 1)[-1]}`"  # a test: its file's name and its own
-        if cause:
-            what = f"{name}: {cause}" if count == 1 else cause
-        else:
-            what = name + (f" and {count - 1} more" if count > 1 else "")
-        said.append(f"{count} {what}" if len(groups) > 1 else what)
-    why = f" ({'; '.join(said)}, as on the base)" if said else ""
-    n = record["branch"]
-    if job in CHECKS:
-        return f"{n['failed']} finding{'s' * (n['failed'] != 1)}{why}" if n["failed"] else "no findings"
-    return f"{n['passed']} passed, {n['failed']} failed{why}, {n['skipped']} skipped"
+    """The pages its ``Benchmark:`` fields name, as addresses in the fork's repository; a missing page is an error."""
+    pages = [page for value in patch.trailers.get("Benchmark", []) for page in value.split()]
+    if missing := [page for page in pages if not (project / page).is_file()]:
+        raise PatchsetError(f"{patch.name}: Benchmark: {missing[0]} is not a file of the project")
+    return [f"[{Path(page).stem}]({_in_fork(project, page)})" for page in pages]
 
 
 def tests_answer(project: Path, patch: Patch) -> Answer:
-    """Whether upstream's jobs passed on the PR branch, from their records at the patch's current blob."""
-    found, blob, parts, ok = load(project, "upstream-tests"), blob_hash(patch.path), [], True
-    for job in JOBS:
-        record = found.get(f"{patch.name} {job}")
-        if record is None or record["blob"] != blob:
-            ok = False
-            parts.append(f"{TITLES[job]}: not recorded for this version of the patch")
-            continue
-        ok = ok and record["caused"] == 0
-        parts.append(f"{TITLES[job]}: {_job_result(job, record)}, {record['caused']} caused by this PR")
-    link = f"[the record]({_in_fork(project, 'docs/upstream-tests.md')})"
-    lead = f"Yes, every other failure or finding is on the base too ({link})" if ok else f"Not yet ({link})"
-    return Answer(ok, f"{lead}: " + "; ".join(parts) + ".")
+    """The last ``nox -s upstream`` result of this version of the patch (its sha256), as that session printed it."""
+    command = f"`nox -s upstream -- {patch.name[:4]}`"
+    saved = project / UPSTREAM_RUNS / f"{patch.name[:4]}.txt"
+    lines = saved.read_text(encoding="utf-8").splitlines() if saved.is_file() else []
+    if len(lines) < 3 or lines[0] != hashlib.sha256(patch.data).hexdigest():
+        return Answer(False, f"Not yet: {command} (upstream's tests on this branch and on its base) has not run on it.")
+    return Answer(lines[2].strip() == "0", lines[1].strip())
 
 
 def agreed_answer(project: Path, patch: Patch) -> Answer:

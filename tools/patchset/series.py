@@ -22,12 +22,12 @@ SERIES_FILE = Path("patches") / "series"
 CHANGELOG_SECTIONS = ("Added", "Changed", "Deprecated", "Removed", "Fixed")
 # Fields of the fork only (the patch's life here, not the upstream change): dropped from the upstream commit.
 # `Bug:` an issue the patch fixes, `Part-Of:` one it fixes part of, `Agreed:` where a maintainer agreed,
-# `Feature-Request:` the project's file with the request to file first, `Docs:` docs the patch changes outside `docs/`.
+# `Feature-Request:` the project's file with the request to file first, `Docs:` docs the patch changes outside `docs/`,
+# `Benchmark:` the project's pages that measure it.
 FORK_TRAILERS: tuple[str, ...] = ("Forwarded", "Applied-Upstream", "Changelog", "New-Files", "Bug", "Part-Of")
-FORK_TRAILERS += ("Agreed", "Feature-Request", "Mirrors", "Depends-On", "Docs")
+FORK_TRAILERS += ("Agreed", "Feature-Request", "Mirrors", "Depends-On", "Docs", "Benchmark")
 ISSUE_FIELDS = (("Bug", "Fixes"), ("Part-Of", "Part of"))  # fields naming upstream issues, and how a PR says it
 _CHANGELOG = re.compile(r"^(fabric|pytorch) (" + "|".join(CHANGELOG_SECTIONS) + r"): (.+)$")
-_FIELD_KEY = re.compile(r"[A-Za-z][A-Za-z-]*")
 _SECTION = re.compile(rb"(?m)^diff --git ")
 _GLOB_SPECIAL = re.compile(r"[*?\[\\]")
 
@@ -37,30 +37,10 @@ def series_entries(text: str) -> list[tuple[int, str]]:
     return [(n, name) for n, raw in enumerate(text.splitlines(), 1) if (name := raw.split("#", 1)[0].strip())]
 
 
-@dataclass
-class FieldLine:
-    """A line of a message's last paragraph and its folded continuation lines; ``key`` is ``None`` for a non-field."""
-
-    key: str | None
-    value: str
-    lines: list[str]
-
-
-def field_lines(paragraph: str) -> list[FieldLine]:
-    """The lines of a paragraph as fields: ``Key: value``, continued by lines that start with a space or a tab."""
-    found: list[FieldLine] = []
-    for line in paragraph.splitlines():
-        if line[:1] in (" ", "\t") and found and found[-1].key is not None:
-            found[-1].value += " " + line.strip()
-            found[-1].lines.append(line)
-            continue
-        key, sep, value = line.partition(": ")
-        found.append(
-            FieldLine(key, value.strip(), [line])
-            if sep and _FIELD_KEY.fullmatch(key)
-            else FieldLine(None, line, [line])
-        )
-    return found
+def parse_trailers(message: str) -> list[tuple[str, str]]:
+    """The fields of a message's last paragraph, as ``git interpret-trailers --parse`` reads them (folds unfolded)."""
+    said = git(Path("/"), "interpret-trailers", "--parse", input=f"subject\n\n{message}\n".encode()).stdout.decode()
+    return [(key, value.strip()) for key, _, value in (line.partition(": ") for line in said.splitlines())]
 
 
 @dataclass(frozen=True)
@@ -161,9 +141,8 @@ def parse_patch(path: Path, data: bytes | None = None) -> Patch:
     message = re.split(r"\n---\n|\ndiff --git ", "\n" + rest, maxsplit=1)[0].strip()
     paragraphs = message.split("\n\n")  # the fields are the last paragraph; the ones before describe the patch
     trailers: dict[str, list[str]] = {}
-    for line in field_lines(paragraphs[-1]):
-        if line.key is not None:
-            trailers.setdefault(line.key, []).append(line.value)
+    for key, value in parse_trailers(message):
+        trailers.setdefault(key, []).append(value)
     description = "\n\n".join(paragraphs[:-1] if trailers else paragraphs).strip()
     subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", str(headers["Subject"]))
     return Patch(path, data, subject, str(headers["From"] or ""), description, message, trailers)

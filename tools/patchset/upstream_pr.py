@@ -21,10 +21,10 @@ from patchset.series import (
     FORK_TRAILERS,
     ChangelogEntry,
     Patch,
-    field_lines,
     find_patch,
     issue_lines,
     join_patch,
+    parse_trailers,
     split_patch,
 )
 from patchset.workspace import WORKSPACE, materialize_workspace, unexported_work
@@ -57,16 +57,10 @@ def insert_changelog(text: str, entry: ChangelogEntry) -> str:
 
 def clean_message(message: str) -> str:
     """The commit message upstream sees: the fork's fields removed, the issues it fixes referenced."""
-    paragraphs = message.strip().split("\n\n")
-    kept: list[str] = []
-    fields: dict[str, list[str]] = {}
-    for line in field_lines(paragraphs[-1]):
-        if line.key in FORK_TRAILERS:
-            fields.setdefault(line.key, []).append(line.value)
-        else:
-            kept += line.lines
-    kept += issue_lines(fields)
-    return "\n\n".join(paragraphs[:-1] + (["\n".join(kept)] if kept else [])) + "\n"
+    paragraphs, fields = message.strip().split("\n\n"), parse_trailers(message)
+    kept = [f"{key}: {value}" for key, value in fields if key not in FORK_TRAILERS]
+    kept += issue_lines({key: [v for k, v in fields if k == key] for key, _ in fields})
+    return "\n\n".join((paragraphs[:-1] if fields else paragraphs) + (["\n".join(kept)] if kept else [])) + "\n"
 
 
 def branch_name(patch: Patch) -> str:

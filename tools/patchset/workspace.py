@@ -11,10 +11,8 @@ import itertools
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,9 +32,6 @@ from patchset.series import (
     split_patch,
     upstream_only,
 )
-
-if sys.platform != "win32":
-    import fcntl
 
 WORKSPACE = Path(".work") / "tree"
 BASE_TAG = "upstream"
@@ -164,26 +159,23 @@ def materialize_workspace(project: Path, force: bool = False) -> Path:
     """Make ``.work/tree``; refuse to replace unexported work unless ``force``. The old one is kept aside."""
     workspace = project / WORKSPACE
     workspace.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(workspace.parent / ".lock"):
-        if workspace.exists() and not force:
-            if not (workspace / ".git").is_dir():
-                raise PatchsetError(
-                    f"{workspace} exists but was not made by `materialize`: move it away or use --force"
-                )
-            refuse_busy(workspace)
-            pending = unexported_work(project, workspace)
-            if pending:
-                raise PatchsetError(
-                    f"{workspace} has work not exported to patches/ ({', '.join(pending)}): run `export` first,"
-                    " or materialize with --force to set it aside"
-                )
-        with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
-            make_workspace(project, Path(tmp) / "tree")
-            record_snapshot(project, Path(tmp) / "tree")
-            if workspace.exists():
-                keep_previous_tree(project)
-                os.rename(workspace, workspace.with_name("previous-tree"))
-            os.rename(Path(tmp) / "tree", workspace)
+    if workspace.exists() and not force:
+        if not (workspace / ".git").is_dir():
+            raise PatchsetError(f"{workspace} exists but was not made by `materialize`: move it away or use --force")
+        refuse_busy(workspace)
+        pending = unexported_work(project, workspace)
+        if pending:
+            raise PatchsetError(
+                f"{workspace} has work not exported to patches/ ({', '.join(pending)}): run `export` first,"
+                " or materialize with --force to set it aside"
+            )
+    with tempfile.TemporaryDirectory(dir=workspace.parent, prefix=".tree-") as tmp:
+        make_workspace(project, Path(tmp) / "tree")
+        record_snapshot(project, Path(tmp) / "tree")
+        if workspace.exists():
+            keep_previous_tree(project)
+            os.rename(workspace, workspace.with_name("previous-tree"))
+        os.rename(Path(tmp) / "tree", workspace)
     return workspace
 
 
@@ -199,17 +191,3 @@ def keep_previous_tree(project: Path) -> Path | None:
         target = previous.with_name(f"previous-tree-{stamp}-{n}")
     os.rename(previous, target)
     return target
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One materialize at a time per checkout (POSIX ``flock``; on Windows, no lock)."""
-    if sys.platform == "win32":  # pragma: no cover - Windows
-        yield
-        return
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
