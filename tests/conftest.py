@@ -4,6 +4,7 @@
 # the fork's copies of those tests need the same.
 import contextlib
 import importlib
+import importlib.metadata
 import os
 import sys
 import types
@@ -20,7 +21,7 @@ def _provide_runif(package: str) -> None:
         return
     try:
         testing = importlib.import_module(f"lightning.{package}.utilities.testing")
-    except ImportError:  # the tool's tests also run before the fork is installed
+    except ImportError:  # no fork installed: pytest_configure says so
         return
 
     def RunIf(**kwargs):  # noqa: N802 (the name upstream's tests import)
@@ -87,7 +88,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    with contextlib.suppress(ImportError):  # the tool's tests also run before the fork is installed
+    try:  # the suite is about the fork: without it, one line now instead of a screen of errors minutes later
+        version = importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    if "+patchset" not in version:
+        pytest.exit(f"install the fork first: `pip install .` (lightning is {version})", returncode=4)
+    with contextlib.suppress(ImportError):
         from lightning.fabric.utilities.testing import _port_reruns
 
         _port_reruns.register(config)

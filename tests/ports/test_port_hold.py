@@ -3,7 +3,7 @@ spawn launchers' ``MASTER_PORT``, other processes of the machine.
 
 The pull request's tests are its unit tests of ``_ReservedPort`` (``tests_fabric/utilities/test_reserved_port.py``,
 which this suite runs too) and the tests it adds to upstream's own test files, which the release's sdist does not ship
-(they run in the records of ``docs/upstream-tests.md``). Fabric runs and a Trainer sweep, in subprocesses, are in
+(``nox -s upstream -- 0002`` runs them). Fabric runs and a Trainer sweep, in subprocesses, are in
 ``test_port_hold_runs.py``.
 
 """

@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from patchset_helpers import (
     DEMO,
+    DISTRIBUTIONS,
     REPO,
     commit_as_project,
     copy_project,
@@ -20,6 +22,7 @@ from patchset_helpers import (
     make_venv,
     own_new_files,
     pip,
+    pip_wheel,
     run_python,
     write,
 )
@@ -136,3 +139,22 @@ def pip_in_venv(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     assert proc.returncode == 0, proc.stderr
     assert run_python(python, "import pip; print(pip.__version__)") == wheel.name.split("-")[1]
     return python
+
+
+@pytest.fixture(scope="session")
+def fork_wheels(tmp_path_factory: pytest.TempPathFactory, worker_id: str, patchset_cache: Path) -> dict[str, Path]:
+    """The fork's three distributions, built once per run as users build them (``pip wheel`` through the backend).
+
+    Built from a copy of this checkout's files (no git: the version is the pin's, :data:`patchset_helpers.FORK`), and
+    shared by pytest-xdist's workers: the first to get the lock builds, the others wait and read.
+    """
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if worker_id != "master" else root  # the run's folder, which every worker's is in
+    dest = root / "fork-wheels"
+    with FileLock(str(root / "fork-wheels.lock")):
+        if not (dest / "built").is_file():
+            source = copy_project(root / "fork-source", include=("patches", "tools", "src", "pyproject.toml"))
+            for flavour, _ in DISTRIBUTIONS.values():
+                pip_wheel(source, dest, flavour)
+            (dest / "built").write_text("")
+    return {name: next(dest.glob(f"{name}-*.whl")) for name in DISTRIBUTIONS}

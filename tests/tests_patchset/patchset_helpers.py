@@ -21,6 +21,15 @@ TOOLS = REPO / "tools"
 PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"  # the project's identity in its patches
 FORK = read_pin(REPO).fork_version  # what a copy of this checkout without git history builds, e.g. 2.6.6+patchset.1
 DEMO = "src/lightning/fabric/utilities/_patchset_demo.py"  # a new file the tool tests add to a copy of the project
+# distribution (as in wheel names) -> the flavour (PACKAGE_NAME) that builds it, and where our src/lightning files land
+DISTRIBUTIONS = {
+    "lightning": (None, {"src/lightning/": "lightning/"}),
+    "pytorch_lightning": (
+        "pytorch",
+        {"src/lightning/pytorch/": "pytorch_lightning/", "src/lightning/fabric/": "lightning_fabric/"},
+    ),
+    "lightning_fabric": ("fabric", {"src/lightning/fabric/": "lightning_fabric/"}),
+}
 
 
 def project_files(root: Path) -> list[str]:

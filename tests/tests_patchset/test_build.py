@@ -1,6 +1,8 @@
 """Build, install and import the fork for real: the in-tree backend, a fresh venv, an sdist, git+file, editable.
 
-The builds and installs are slow; the error paths, which fail before or early in a build, run in the quick mode too.
+The builds and installs are slow: the tests that only read a build share one (``fork_wheels``), and each of the others
+builds the way it is about (from git with a cold cache, editable, from the sdist). The error paths, which fail before
+or early in a build, run in the quick mode too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 from patchset_helpers import (
     DEMO,
     FORK,
+    REPO,
     build_in_process,
     copy_project,
     git,
@@ -24,54 +27,59 @@ from patchset_helpers import (
     write,
 )
 
+from patchset.overlay import overlay_files
+
 
 @pytest.mark.slow
-def test_backend_metadata_matches_the_wheel(demo_project: Path, tmp_path: Path, monkeypatch, upstream_sdist: Path):
+def test_backend_metadata_matches_the_wheel(fork_wheels: dict[str, Path], tmp_path: Path, monkeypatch, upstream_sdist):
     from patchset import backend
 
-    # a cold cache, and a local copy of the sdist (no download): each hook makes the tree from it
+    # a cold cache and a local copy of the sdist (no download): the hook makes the tree from it, and caches nothing
     monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("LIGHTNING_PATCHSET_SDIST", str(upstream_sdist))
-    monkeypatch.chdir(demo_project)
-    (tmp_path / "meta").mkdir()
-    (tmp_path / "wheel").mkdir()
-    meta_name = backend.prepare_metadata_for_build_wheel(str(tmp_path / "meta"))
+    project = copy_project(tmp_path / "project", include=("patches", "tools", "src", "pyproject.toml"))
+    monkeypatch.chdir(project)
+    meta_name = backend.prepare_metadata_for_build_wheel(str(tmp_path))
     assert meta_name == f"lightning-{FORK}.dist-info"
-    wheel_name = backend.build_wheel(str(tmp_path / "wheel"))
-    assert wheel_name == f"lightning-{FORK}-py3-none-any.whl"
-    with zipfile.ZipFile(tmp_path / "wheel" / wheel_name) as whl:
+    with zipfile.ZipFile(fork_wheels["lightning"]) as whl:
         names = whl.namelist()
         metadata = whl.read(f"{meta_name}/METADATA")
         setup = whl.read("lightning/__setup__.py").decode()
         version_file = whl.read("lightning/version.info").decode()
-    assert metadata == (tmp_path / "meta" / meta_name / "METADATA").read_bytes()
+    assert metadata == (tmp_path / meta_name / "METADATA").read_bytes()
     assert b"Requires-Dist: pytorch-lightning" not in metadata
     assert f"Version: {FORK}".encode() in metadata
-    assert "lightning/fabric/utilities/_patchset_demo.py" in names
+    ours = [rel.removeprefix("src/") for rel in overlay_files(REPO) if rel.startswith("src/lightning/")]
+    assert ours
+    assert set(ours) <= set(names)
     assert "the index would be an unpatched copy" in setup  # patch 0001 is in the built code
     assert version_file.strip() == FORK
     stray = [n for n in names if not n.startswith(("lightning/", f"lightning-{FORK}.dist-info/"))]
     assert stray == []
     assert not any("/tests/" in n or n.endswith(".pyc") for n in names)
-    assert not (demo_project / "build").exists()
-    assert not list(demo_project.glob("src/*.egg-info"))
-    assert not (tmp_path / "cache").exists()  # nothing but the sdist is cached, and that came from the variable
+    assert not (project / "build").exists()
+    assert not list(project.glob("src/*.egg-info"))
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.slow
-def test_pip_install_into_a_fresh_venv(demo_project: Path, tmp_path: Path):
+def test_the_three_distributions_install_side_by_side_and_import_the_fixes(fork_wheels: dict[str, Path], tmp_path):
+    """`lightning`, and `pytorch-lightning` / `lightning-fabric` (PACKAGE_NAME=pytorch|fabric, upstream's switch): the
+    same patched code under the old import names, with upstream's import rewriting applied to our files too."""
     python = make_venv(tmp_path / "venv")
-    proc = pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))
+    proc = pip(python, "install", "--no-deps", *map(str, fork_wheels.values()))
     assert proc.returncode == 0, proc.stderr
     site = site_packages(python)
-    out = run_python(
-        python,
-        "import lightning, lightning.fabric.utilities._patchset_demo as d; "
-        "print(lightning.__version__, lightning.__file__, d.GREETING)",
-    )
-    version, location, greeting = out.split()
-    assert (version, greeting) == (FORK, "hello")
-    assert Path(location).is_relative_to(site)
+    ours = [rel for rel in overlay_files(REPO) if rel.startswith("src/lightning/fabric/") and rel.endswith(".py")]
+    assert ours
+    modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in ours]
+    mirrored = [m.replace("lightning.fabric", "lightning_fabric", 1) for m in modules]
+    files = run_python(python, f"import importlib; print(*[importlib.import_module(m).__file__ for m in {mirrored}])")
+    assert all(Path(f).is_relative_to(site) for f in files.split())
+    for path in files.split():  # a mirrored file imports the mirrored package, never `lightning.fabric`
+        assert "lightning.fabric" not in Path(path).read_text(encoding="utf-8"), path
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        assert run_python(python, f"import {name}; print({name}.__version__)") == FORK
 
 
 @pytest.mark.slow
@@ -86,41 +94,44 @@ def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tm
     assert name == f"lightning-{FORK}.tar.gz"
     with tarfile.open(tmp_path / "sdist" / name) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
-    for required in (
-        "PKG-INFO",
-        "pyproject.toml",
-        "patches/upstream.pin",
-        "patches/series",
-        DEMO,
-        "tools/patchset/backend.py",
-    ):
+    for required in ("PKG-INFO", "pyproject.toml", "patches/upstream.pin", "patches/series", DEMO):
         assert required in members
+    assert "tools/patchset/backend.py" in members
     assert not any(m.startswith((".work", ".git/")) or m.endswith(".pyc") for m in members)
     assert not any(m.endswith("__init__.py") and m.startswith("src/lightning/") for m in members)  # no upstream code
-    proc = pip(
-        Path(sys.executable),
-        "wheel",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(tmp_path / "whl"),
-        str(tmp_path / "sdist" / name),
-    )
+    args = ("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "whl"), str(tmp_path / "sdist" / name))
+    proc = pip(Path(sys.executable), *args)
     assert proc.returncode == 0, proc.stderr
     assert [p.name for p in (tmp_path / "whl").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
 
 
 @pytest.mark.slow
-def test_pip_install_from_git(demo_project: Path, pip_in_venv: Path):
-    """`pip install "lightning @ git+<url>"` from a fresh venv, with the pip it bundles and with the newest."""
+def test_pip_install_from_git_with_a_cold_cache(
+    demo_project: Path, tmp_path: Path, upstream_sdist: Path, pip_in_venv: Path, request: pytest.FixtureRequest
+):
+    """`pip install "lightning @ git+<url>"` in a fresh venv, with the pip it bundles (build isolation, as users run
+    it) and with the newest (without). The backend downloads upstream's sdist with pip from inside pip's own hook:
+    pip 23 and 24 hand the hook `PEP517_BACKEND_PATH`, pip 25 on `_PYPROJECT_HOOKS_BACKEND_PATH`, and neither must
+    reach the inner pip. A build of the fork that `lightning==2.6.6` would match sits next to upstream's sdist."""
+    isolation = request.node.callspec.params["pip_in_venv"] == "bundled"
     git(demo_project, "init", "-q")
     git(demo_project, "add", "-A")
     git(demo_project, "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-qm", "fork")
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / upstream_sdist.name).write_bytes(upstream_sdist.read_bytes())
+    (links / f"lightning-{FORK}.tar.gz").write_bytes(b"not upstream's release")
+    env = {"LIGHTNING_PATCHSET_CACHE": str(tmp_path / "cache"), "PIP_FIND_LINKS": str(links)}
+    if not isolation:  # an isolated build installs its requirements from the index
+        env["PIP_NO_INDEX"] = "1"
     # `file://localhost/<path>`: pip before 24.1 refuses `git+file:///<path>` (no host) as an invalid requirement
     url = f"git+file://localhost{demo_project.as_posix()}"
-    proc = pip(pip_in_venv, "install", "--no-deps", "--no-build-isolation", f"lightning @ {url}")
-    assert proc.returncode == 0, proc.stderr
-    assert run_python(pip_in_venv, "import lightning; print(lightning.__version__)") == FORK
+    args = ["install", "--no-deps", *([] if isolation else ["--no-build-isolation"]), f"lightning @ {url}"]
+    proc = pip(pip_in_venv, *args, env=env, unset=("LIGHTNING_PATCHSET_SDIST",))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = "import lightning, lightning.fabric.utilities._patchset_demo as d; print(lightning.__version__, d.GREETING)"
+    assert run_python(pip_in_venv, code) == f"{FORK} hello"
+    assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))
 
 
 @pytest.mark.slow
@@ -167,33 +178,6 @@ def test_a_bad_pin_is_refused_before_building(tmp_path: Path, monkeypatch, capsy
     assert err.count("\n") == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("isolation", [False, True], ids=["no-build-isolation", "build-isolation"])
-def test_cold_cache_inside_pips_build_hook(
-    demo_project: Path, tmp_path: Path, upstream_sdist: Path, pip_in_venv: Path, isolation: bool
-):
-    """The backend downloads the sdist with pip from inside pip's own hook (no warm cache, no override).
-
-    Without build isolation the inner pip is the frontend's own (pip 23 and 24 hand the hook `PEP517_BACKEND_PATH`,
-    pip 25 and later `_PYPROJECT_HOOKS_BACKEND_PATH`); with it, the build environment's. Either way the hook's
-    variables must not reach the inner pip. A build of the fork that `lightning==2.6.6` would match sits next to
-    upstream's sdist.
-    """
-    links = tmp_path / "links"
-    links.mkdir()
-    (links / upstream_sdist.name).write_bytes(upstream_sdist.read_bytes())
-    (links / f"lightning-{FORK}.tar.gz").write_bytes(b"not upstream's release")
-    env = {"LIGHTNING_PATCHSET_CACHE": str(tmp_path / "cache"), "PIP_FIND_LINKS": str(links)}
-    if not isolation:  # an isolated build installs its requirements from the index
-        env["PIP_NO_INDEX"] = "1"
-    args = ["wheel", "--no-deps", *([] if isolation else ["--no-build-isolation"]), "-w", str(tmp_path / "w")]
-    proc = pip(pip_in_venv, *args, str(demo_project), env=env, unset=("LIGHTNING_PATCHSET_SDIST",))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [p.name for p in (tmp_path / "w").iterdir()] == [f"lightning-{FORK}-py3-none-any.whl"]
-    assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))
-
-
-@pytest.mark.slow
 def test_sdist_leaves_out_junk_but_keeps_every_project_file(demo_project: Path, tmp_path: Path, monkeypatch):
     from patchset import backend
 
@@ -227,50 +211,6 @@ def test_a_broken_patch_fails_the_build_in_one_line(demo_project: Path, tmp_path
     err = build_in_process(demo_project, tmp_path / "dist", monkeypatch, capsys)
     assert err.startswith(f"patchset: error: {patch.name} does not apply: src/lightning/__setup__.py, hunk `@@")
     assert err.count("\n") == 1
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("flavour", "distribution", "top_levels"),
-    [
-        ("pytorch", "pytorch_lightning", {"pytorch_lightning", "lightning_fabric"}),
-        ("fabric", "lightning_fabric", {"lightning_fabric"}),
-    ],
-)
-def test_flavours_carry_the_fixes_under_the_old_import_names(
-    demo_project: Path, tmp_path: Path, monkeypatch, flavour: str, distribution: str, top_levels: set[str]
-):
-    """PACKAGE_NAME=pytorch|fabric (upstream's switch) builds the mirrored distributions from the same patched tree."""
-    from patchset import backend
-
-    write(demo_project / DEMO, "from lightning.fabric.utilities.seed import seed_everything\n\nGREETING = 'hello'\n")
-    monkeypatch.setenv("PACKAGE_NAME", flavour)
-    monkeypatch.chdir(demo_project)
-    (tmp_path / "wheel").mkdir()
-    name = backend.build_wheel(str(tmp_path / "wheel"))
-    assert name == f"{distribution}-{FORK}-py3-none-any.whl"
-    with zipfile.ZipFile(tmp_path / "wheel" / name) as whl:
-        names = whl.namelist()
-        mirrored_demo = whl.read("lightning_fabric/utilities/_patchset_demo.py").decode()
-        metadata = whl.read(f"{distribution}-{FORK}.dist-info/METADATA").decode()
-    assert {n.split("/")[0] for n in names} == top_levels | {f"{distribution}-{FORK}.dist-info"}
-    assert "from lightning_fabric.utilities.seed import seed_everything" in mirrored_demo  # imports rewritten
-    assert f"Version: {FORK}" in metadata
-    assert "Requires-Dist: lightning\n" not in metadata
-    assert "Requires-Dist: pytorch-lightning" not in metadata
-
-    python = make_venv(tmp_path / "venv")
-    proc = pip(python, "install", "--no-deps", str(tmp_path / "wheel" / name))
-    assert proc.returncode == 0, proc.stderr
-    package = sorted(top_levels)[-1]
-    out = run_python(
-        python,
-        f"import {package}, lightning_fabric.utilities._patchset_demo as d; "
-        f"print({package}.__version__, {package}.__file__, d.GREETING)",
-    )
-    version, location, greeting = out.split()
-    assert (version, greeting) == (FORK, "hello")
-    assert Path(location).is_relative_to(site_packages(python))
 
 
 def test_unknown_flavour_is_one_clear_error(demo_project: Path, tmp_path: Path, monkeypatch, capsys):

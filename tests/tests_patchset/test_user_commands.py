@@ -29,14 +29,14 @@ def _versions(listing: str) -> dict[str, str]:
     return dict(line.split()[:2] for line in listing.splitlines())
 
 
-def test_check_replace_and_go_back(demo_project: Path, bundled_pip_venv: Path):
+def test_check_replace_and_go_back(fork_wheels: dict[str, Path], bundled_pip_venv: Path):
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert all(command in readme for command in (CHECK, REPLACE, GO_BACK))
     python = bundled_pip_venv
     stock = ("lightning==2.6.6", "pytorch-lightning==2.6.6", "lightning-fabric==2.6.6")
     if pip(python, "install", "--no-deps", *stock).returncode != 0:
         pytest.skip("the index has no lightning 2.6.6")
-    proc = pip(python, "install", "--no-deps", "--no-build-isolation", str(demo_project))  # the fork over stock
+    proc = pip(python, "install", "--no-deps", str(fork_wheels["lightning"]))  # the fork over stock
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     # the check shows the leftover unpatched copies: no `+patchset` label
