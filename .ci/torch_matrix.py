@@ -1,34 +1,74 @@
-"""The torch matrix's records, ``docs/records/torch-matrix.json``, which the ``tests``/``oldest`` nox sessions write.
+"""The torch matrix's table in docs/torch-matrix.md, from the results the ``tests``/``oldest`` nox sessions write.
 
-python .ci/torch_matrix.py check             every cell passed, all from one commit with this checkout's sources
-python .ci/torch_matrix.py merge FILE ...    add the cells of other copies of the records (CI: one per job)
+python .ci/torch_matrix.py render DIR   the table from the JSON files under DIR (each session's $TORCH_MATRIX_RESULTS)
+python .ci/torch_matrix.py check        every row passed, all rows name one commit, and the sources are unchanged since
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from patchset import records  # noqa: E402 - the tool, from this checkout
+PAGE = ROOT / "docs" / "torch-matrix.md"
+BEGIN = "<!-- the table: `python .ci/torch_matrix.py render DIR` writes it -->"
+END = "<!-- end of the table -->"
+COLUMNS = ["torch", "session", "python", "platform", "passed", "failed", "skipped", "seconds", "commit"]
+SOURCES = ["patches", "src", "tests", "tools", "noxfile.py", "pyproject.toml"]  # what a result describes
+
+
+def _version(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", text.split("+")[0])]
+
+
+def render(folder: Path) -> int:
+    """Write the table of the results under ``folder`` into the page."""
+    cells = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.rglob("*.json"))]
+    if not cells:
+        print(f"no result (*.json) under {folder}", file=sys.stderr)
+        return 1
+    cells.sort(key=lambda c: (_version(c["torch"]), c["session"], _version(c["python"]), c["platform"]))
+    rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 4 + "--:|" * 4 + "---|"]
+    for cell in cells:
+        commit = re.sub(r"^([0-9a-f]{10})[0-9a-f]+", r"\1", cell["commit"])  # a short hash, "+dirty" kept
+        values = {**cell, "session": f"`{cell['session']}`", "commit": f"`{commit}`"}
+        rows.append("| " + " | ".join(str(values[column]) for column in COLUMNS) + " |")
+    text = PAGE.read_text(encoding="utf-8")
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    if not rest or not tail:
+        print(f"{PAGE}: the markers {BEGIN!r} and {END!r} are missing", file=sys.stderr)
+        return 1
+    PAGE.write_text(f"{head}{BEGIN}\n\n" + "\n".join(rows) + f"\n\n{END}{tail}", encoding="utf-8")
+    return 0
+
+
+def check() -> int:
+    """Whether the page's table describes this checkout: every row passed, at one commit, no source changed since."""
+    table = PAGE.read_text(encoding="utf-8").partition(BEGIN)[2].partition(END)[0]
+    lines = [line.strip().strip("|").split("|") for line in table.splitlines() if line.startswith("|")]
+    rows = [dict(zip(COLUMNS, (v.strip().strip("`") for v in line), strict=True)) for line in lines[2:]]
+    problems = [f"{r['session']} ({r['python']}, {r['platform']}): {r['failed']} failed" for r in rows
+                if r["failed"] != "0" or r["passed"] == "0"]  # fmt: skip
+    commits = sorted({row["commit"] for row in rows})
+    if len(commits) != 1:
+        problems.append(f"the rows name {len(commits)} commits: {', '.join(commits) or 'none'}")
+    elif subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", commits[0], "HEAD", "--", *SOURCES],
+                        stderr=subprocess.DEVNULL).returncode:  # fmt: skip
+        problems.append(f"{', '.join(SOURCES)} changed since {commits[0]} (or it is no commit): run the matrix again")
+    print("\n".join(problems) or f"torch matrix: {len(rows)} rows passed at {commits[0]}, the sources unchanged since")
+    return 1 if problems else 0
 
 
 def main(argv: list[str]) -> int:
-    """Run ``check`` or ``merge``; the exit code."""
-    command, *files = argv or ["help"]
-    if command == "check" and not files:
-        problems = records.stale_matrix(ROOT)
-        print("\n".join(problems) or "torch matrix: every cell passed, from one commit with this checkout's sources")
-        return 1 if problems else 0
-    if command == "merge" and files:
-        found = records.load(ROOT, "torch-matrix")
-        for cell in (c for f in files for c in json.loads(Path(f).read_text(encoding="utf-8")).values()):
-            if cell["key"] not in found or cell["date"] >= found[cell["key"]]["date"]:
-                found[cell["key"]] = cell
-        records.store(ROOT, "torch-matrix", found)
-        return 0
+    """Run ``render DIR`` or ``check``; the exit code."""
+    if argv[:1] == ["render"] and len(argv) == 2:
+        return render(Path(argv[1]))
+    if argv == ["check"]:
+        return check()
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -74,13 +74,12 @@ def patch_problems(patch: Patch) -> list[str]:
     paragraphs = patch.message.split("\n\n")
     known = {key.lower() for key in FORK_TRAILERS}
     for line in "\n".join(paragraphs[:-1]).splitlines():
-        if (key := _FIELD_LIKE.match(line)) and key.group(1).strip().lower() in known:
+        if (field := _FIELD_LIKE.match(line)) and field.group(1).strip().lower() in known:
             problems.append(f"the field line {line.strip()!r} is not in the last paragraph, where fields go")
     if any(_FIELD_LIKE.match(line) for line in paragraphs[-1].splitlines()):  # git reads the fields: each line one
-        keys = [key for key in patch.trailers for _ in patch.trailers[key]]
         for line in (line for line in paragraphs[-1].splitlines() if line[:1] not in (" ", "\t")):
-            key = line.partition(":")[0]
-            if key not in keys or key not in KNOWN_FIELDS or not line.partition(":")[2].strip():
+            key, _, value = line.partition(":")
+            if key not in patch.trailers or key not in KNOWN_FIELDS or not value.strip():
                 what = f"a `Key: value` field with a known key ({', '.join(KNOWN_FIELDS)})"
                 problems.append(f"{line.strip()!r} is not {what}")
     if len(patch.trailers.get("Forwarded", [])) != 1:

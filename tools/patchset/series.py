@@ -176,8 +176,8 @@ def series_files(patches_dir: Path) -> dict[str, bytes]:
 def find_patch(project: Path, ref: str) -> Patch:
     """A patch of the series by its leading number (``2`` or ``0002``), by path, or by file name (see :func:`named`)."""
     patches = read_series(project)
-    if ref.isdigit() and (found := [p for p in patches if p.name.startswith(f"{int(ref):04d}-")]):
-        return found[0]
+    if ref.isdigit() and (numbered := [p for p in patches if p.name.startswith(f"{int(ref):04d}-")]):
+        return numbered[0]
     if found := named(Path(ref).name, patches):
         return found
     raise PatchsetError(f"{ref}: no such patch in patches/series ({', '.join(p.name for p in patches)})")
