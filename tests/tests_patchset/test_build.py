@@ -92,6 +92,9 @@ def test_sdist_is_self_contained_and_builds_the_same_fork(demo_project: Path, tm
     (demo_project / ".work" / "junk").write_text("not for the sdist\n")
     name = backend.build_sdist(str(tmp_path / "sdist"))
     assert name == f"lightning-{FORK}.tar.gz"
+    (demo_project / DEMO).touch()  # a later time on a file: the same sdist, as two builds of one commit give
+    assert backend.build_sdist(str(tmp_path)) == name
+    assert (tmp_path / name).read_bytes() == (tmp_path / "sdist" / name).read_bytes()
     with tarfile.open(tmp_path / "sdist" / name) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     for required in ("PKG-INFO", "pyproject.toml", "patches/upstream.pin", "patches/series", DEMO):

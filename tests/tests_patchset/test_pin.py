@@ -30,6 +30,11 @@ def test_pin_names_the_fork_version(project: Path):
             "name = a\nversion = 1\nsdist = a-1.tar.gz\nsha256 = abc\nlocal-version = x.1\n",
             "sha256 must be 64 hex digits, got 'abc'",
         ),
+        (
+            f"name = lightning\nversion = 2.6.66\nsdist = lightning-2.6.6.tar.gz\nsha256 = {'a' * 64}\n"
+            "local-version = x.1\n",
+            "sdist lightning-2.6.6.tar.gz is not lightning 2.6.66's sdist",
+        ),
     ],
 )
 def test_bad_pin_is_a_clear_error(project: Path, text: str, message: str):
@@ -64,7 +69,22 @@ def test_hash_mismatch_names_the_file_and_both_hashes(project: Path, monkeypatch
     assert str(fake) in message
     assert file_sha256(fake) in message
     assert read_pin(project).sha256 in message
-    assert "nothing was built" in message
+    assert fake.is_file()  # the user's file stays where it is
+
+
+def test_a_download_with_another_hash_is_not_kept(project: Path, monkeypatch, tmp_path: Path, upstream_sdist: Path):
+    pin = project / "patches" / "upstream.pin"
+    pin.write_text(pin.read_text().replace(read_pin(project).sha256, "b" * 64))
+    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(SDIST_ENV, raising=False)
+    links = tmp_path / "links"
+    links.mkdir()
+    shutil.copy(upstream_sdist, links / upstream_sdist.name)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(PatchsetError, match=f"does not match the pinned {'b' * 64}"):
+        fetch_sdist(read_pin(project))
+    assert not list((tmp_path / "cache").rglob("*.tar.gz"))
 
 
 def test_missing_override_file(project: Path, monkeypatch, tmp_path: Path):

@@ -190,6 +190,10 @@ def test_export_refuses_to_lose_or_garble_upstream_only_sections(demo: Path, ups
     git(workspace, "cherry-pick", "ORIG_HEAD")
     with pytest.raises(PatchsetError, match=f"would drop upstream-only sections .*second: {CONFTEST}"):
         export(demo)
+    # ... and so is one that is reworded as well: the patch is still found, by its diff
+    git(workspace, "commit", "-q", "--amend", "-m", "fabric: the second, reworded\n\nWhy.\n\nForwarded: no")
+    with pytest.raises(PatchsetError, match=f"would drop upstream-only sections .*reworded: {CONFTEST}"):
+        export(demo)
     assert first in [p.name for p in read_series(demo)]
 
 

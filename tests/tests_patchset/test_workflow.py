@@ -1,17 +1,19 @@
 """materialize -> edit -> export -> check, with real git on the real pinned sdist."""
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import FORK, git, write
+from patchset_helpers import FORK, TOOLS, git, write
 
 from patchset import PatchsetError
 from patchset.check import check
 from patchset.export import export, preview
 from patchset.series import read_series
-from patchset.workspace import WORKSPACE, changed_names, materialize_workspace
+from patchset.workspace import WORKSPACE, changed_names, materialize_workspace, unexported_work
 
 
 def _patch_bytes(project: Path) -> dict[str, bytes]:
@@ -50,7 +52,8 @@ def test_edit_export_check_cycle(project: Path):
     with pytest.raises(PatchsetError, match=r"uncommitted changes"):
         materialize_workspace(project)
     git(workspace, "commit", "-qa", "--amend", "--no-edit")
-    assert changed_names(*preview(project)) == [first]
+    assert unexported_work(project, workspace) == [first]
+    assert changed_names(*preview(project)) == []  # export --check sees the patches as they are, not the workspace
     with pytest.raises(PatchsetError, match=f"has work not exported to patches/ \\({re.escape(first)}\\)"):
         materialize_workspace(project)
     assert export(project) == [first]
@@ -263,3 +266,96 @@ def test_python_bytecode_in_the_workspace_is_not_work(project: Path):
     workspace = materialize_workspace(project)
     write(workspace / "src/lightning/__pycache__/x.cpython-311.pyc", "bytes")
     materialize_workspace(project)  # no "uncommitted changes"
+
+
+def _commit(workspace: Path, name: str, message: str) -> None:
+    """A commit that edits a file the sdist ships (a patch never creates one)."""
+    init = workspace / "src/lightning/fabric/utilities/__init__.py"
+    init.write_text(init.read_text() + f"# {name}\n")
+    git(workspace, "commit", "-qam", message)
+
+
+def test_depends_on_follows_a_reworded_and_renumbered_patch(project: Path, project_identity: str):
+    workspace = materialize_workspace(project)
+    _commit(workspace, "alpha", "fabric: alpha\n\nWhy.\n\nForwarded: no")
+    _commit(workspace, "beta", "fabric: beta\n\nWhy.\n\nDepends-On: 0002-fabric-alpha.patch\nForwarded: no")
+    export(project)
+    # reword alpha and insert a patch before it: alpha becomes 0003 with another subject, beta 0004
+    git(workspace, "checkout", "-q", "HEAD~2")
+    seed = workspace / "src/lightning/fabric/utilities/seed.py"
+    seed.write_text(seed.read_text() + "# first\n")
+    git(workspace, "commit", "-qam", "fabric: first\n\nWhy.\n\nForwarded: no")
+    git(workspace, "cherry-pick", "main~1")
+    git(workspace, "commit", "-q", "--amend", "-m", "fabric: alpha, reworded\n\nWhy.\n\nForwarded: no")
+    git(workspace, "cherry-pick", "main")
+    git(workspace, "branch", "-f", "main", "HEAD")
+    git(workspace, "checkout", "-q", "main")
+    export(project)
+    beta = read_series(project)[3]
+    assert beta.name == "0004-fabric-beta.patch"
+    assert beta.field("Depends-On") == "0003-fabric-alpha-reworded.patch"
+    assert all(f.ok for f in check(project)), [f.message for f in check(project) if not f.ok]
+    materialize_workspace(project)  # the workspace says what the files say: nothing is left to export
+
+
+def test_a_stale_depends_on_fails_check(project: Path, project_identity: str):
+    workspace = materialize_workspace(project)
+    _commit(workspace, "alpha", "fabric: alpha\n\nWhy.\n\nDepends-On: 0001-gone.patch\nForwarded: no")
+    export(project)
+    assert [f.message for f in check(project) if not f.ok] == [
+        "0002-fabric-alpha.patch: Depends-On: 0001-gone.patch is not an earlier, upstream-bound patch of the series"
+    ]
+
+
+def test_a_subject_in_brackets_survives_the_round_trip(project: Path, project_identity: str):
+    workspace = materialize_workspace(project)
+    _commit(workspace, "alpha", "[fabric] alpha\n\nWhy.\n\nForwarded: no")
+    export(project)
+    assert read_series(project)[1].subject == "[fabric] alpha"
+    assert all(f.ok for f in check(project)), [f.message for f in check(project) if not f.ok]
+    materialize_workspace(project, force=True)
+    assert git(workspace, "log", "-1", "--format=%s") == "[fabric] alpha"
+
+
+def test_export_refuses_a_workspace_off_its_branch(project: Path):
+    workspace = materialize_workspace(project)
+    _commit(workspace, "alpha", "fabric: alpha\n\nWhy.\n\nForwarded: no")
+    export(project)
+    git(workspace, "checkout", "-q", "HEAD~1")
+    before = _patch_bytes(project)
+    with pytest.raises(PatchsetError, match=r"is not on its branch main: check out main"):
+        export(project)
+    assert _patch_bytes(project) == before
+
+
+def test_export_check_ignores_a_stale_workspace(project: Path):
+    materialize_workspace(project)
+    patch = read_series(project)[0].path
+    patch.write_text(patch.read_text().replace("Forwarded: not-needed", "Forwarded: not-needed\nBug: none"))  # a pull
+    assert changed_names(*preview(project)) == []
+
+
+def test_check_says_which_earlier_patch_failed(project: Path, project_identity: str):
+    workspace = materialize_workspace(project)
+    setup = workspace / "src/lightning/__setup__.py"
+    setup.write_text(setup.read_text().replace("self-contained;", "self-contained (edited);"))
+    git(workspace, "commit", "-qam", "fabric: edit\n\nWhy.\n\nForwarded: no")
+    export(project)
+    first, second = (p.path for p in read_series(project))
+    first.write_text(first.read_text().replace("unfreeze=", "defrost=", 1))
+    (finding,) = [f for f in check(project) if f.name == second.name]
+    assert not finding.ok
+    assert finding.message.endswith(f"(after {first.name} failed)")
+
+
+def test_check_and_export_check_need_nothing_but_git(project: Path):
+    """Without tomli or PyYAML importable, as on a Python 3.10 without them."""
+    code = (
+        "import sys; sys.modules.update(tomli=None, tomllib=None, yaml=None)\n"
+        "from patchset.cli import main\n"
+        f"sys.exit(main(['--project', {str(project)!r}, 'check']) or main(['--project', {str(project)!r}, 'export',"
+        " '--check']))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(TOOLS)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

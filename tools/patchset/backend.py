@@ -8,6 +8,7 @@ and runs setuptools' backend there. setuptools makes the wheels reproducible: th
 from __future__ import annotations
 
 import functools
+import gzip
 import io
 import os
 import re
@@ -149,19 +150,19 @@ def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) ->
         pkg_info = (
             Path(meta_dir) / prepare_metadata_for_build_wheel(meta_dir, config_settings) / "METADATA"
         ).read_bytes()
-    target = Path(sdist_directory).resolve() / f"{stem}.tar.gz"
-    with tarfile.open(target, "w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for rel in sdist_files(project):
-            info = tar.gettarinfo(str(project / rel), arcname=f"{stem}/{rel}")
-            info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
-            data = (project / rel).read_bytes()
+    target, epoch = Path(sdist_directory).resolve() / f"{stem}.tar.gz", int(os.environ[EPOCH_ENV])
+    files = [(rel, (project / rel).read_bytes(), os.access(project / rel, os.X_OK)) for rel in sdist_files(project)]
+    with (  # reproducible, as the wheels are: one time, normalized modes and owners, sorted names
+        open(target, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=epoch) as packed,
+        tarfile.open(fileobj=packed, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for rel, data, executable in [*files, ("PKG-INFO", pkg_info, False)]:
             if Path(rel) == PIN_FILE:  # a build from the sdist, which has no git, keeps the label it was made with
                 data = re.sub(rb"(?m)^local-version = .*$", f"local-version = {pin.local_version}".encode(), data)
-                info.size = len(data)
+            info = tarfile.TarInfo(f"{stem}/{rel}")
+            info.size, info.mtime, info.mode = len(data), epoch, 0o755 if executable else 0o644
             tar.addfile(info, io.BytesIO(data))
-        info = tarfile.TarInfo(f"{stem}/PKG-INFO")
-        info.size, info.mode = len(pkg_info), 0o644
-        tar.addfile(info, io.BytesIO(pkg_info))
     return target.name
 
 

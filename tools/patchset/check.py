@@ -38,8 +38,10 @@ def check(project: Path) -> list[Finding]:
             exported = format_commit(repo, "HEAD") if problem is None else patch.data
             hunks = [re.findall(rb"(?m)^@@ .*$", data) for data in (exported, patch.data)]
             extra = upstream_only(patch, shipped)
+            failed = [f.name for f in findings if not f.ok and f.name != "series"]
             if problem is not None:
-                findings.append(Finding(patch.name, False, problem))
+                after = f" (after {failed[0]} failed)" if failed else ""
+                findings.append(Finding(patch.name, False, problem + after))
             elif exported != patch.data:
                 what = "only with offsets" if hunks[0] != hunks[1] else "not in exported form"
                 findings.append(Finding(patch.name, False, f"{patch.name} applies, but {what}: re-run `export`"))

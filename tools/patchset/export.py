@@ -1,4 +1,8 @@
-"""``export``: write the workspace's commits back to ``patches/``, or (``--check``) show what that would change."""
+"""``export``: write the workspace's commits back to ``patches/``, or (``--check``) show what that would change.
+
+A patch whose subject was reworded, or that a patch inserted before it renumbered, gets a new file name; the
+``Depends-On:`` fields that named the old one follow it.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from pathlib import Path
 from patchset import PatchsetError
 from patchset.gitops import git, refuse_busy
 from patchset.pin import fetch_sdist, read_pin, sdist_files
-from patchset.series import parse_patch, series_files
+from patchset.series import Patch, parse_patch, patch_id, series_files
 from patchset.workspace import (
     NOTES_REF,
     SERIES,
     WORKSPACE,
     changed_names,
     make_workspace,
+    materialize_workspace,
     planned_export,
     record_snapshot,
     snapshot_dir,
@@ -23,13 +28,10 @@ from patchset.workspace import (
 
 
 def preview(project: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """The series files as they are, and as exporting would write them: from the workspace, else a fresh one."""
-    current = series_files(project / "patches")
-    if (project / WORKSPACE).exists():
-        return current, planned_export(project, project / WORKSPACE)
+    """The series files as they are, and as a fresh workspace re-exports them (never a workspace that may be stale)."""
     with tempfile.TemporaryDirectory() as tmp:
         make_workspace(project, Path(tmp) / "tree")
-        return current, planned_export(project, Path(tmp) / "tree")
+        return series_files(project / "patches"), planned_export(project, Path(tmp) / "tree")
 
 
 def diff_text(old: dict[str, bytes], new: dict[str, bytes]) -> str:
@@ -41,18 +43,29 @@ def diff_text(old: dict[str, bytes], new: dict[str, bytes]) -> str:
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
 
-def _lost_sections(before: dict[str, bytes], after: dict[str, bytes], shipped: frozenset[str]) -> list[str]:
-    """Upstream-only sections that a patch, matched by subject, had and would lose (a commit recreated without note)."""
+def matched(before: dict[str, bytes], after: dict[str, bytes], shipped: frozenset[str]) -> list[tuple[Patch, Patch]]:
+    """The patches of two exports that are one patch, each matched once.
 
-    def by_subject(files: dict[str, bytes]) -> dict[str, set[str]]:
-        patches = [parse_patch(Path(name), data) for name, data in files.items() if name != SERIES]
-        return {p.subject: {s.path for s in p.sections if s.path not in shipped} for p in patches}
+    By git's patch-id, which a reworded message or a new number leaves alone: of the diff to the files the sdist ships
+    (the same when upstream-only sections were lost), then of the whole diff; else by the subject.
+    """
+    old, new = ([parse_patch(Path(n), d) for n, d in files.items() if n != SERIES] for files in (before, after))
 
-    old, new = by_subject(before), by_subject(after)
-    lost = [
-        (subject, paths - new[subject]) for subject, paths in old.items() if subject in new and paths - new[subject]
-    ]
-    return [f"{subject}: {', '.join(sorted(paths))}" for subject, paths in lost]
+    def keys(patch: Patch) -> tuple[str, str, str]:
+        return patch_id([s for s in patch.sections if s.path in shipped]), patch_id(patch.sections), patch.subject
+
+    old_keys, new_keys = [keys(p) for p in old], [keys(p) for p in new]
+    pairs: list[tuple[Patch, Patch]] = []
+    for i in range(3):
+        column = [k[i] for k in new_keys]
+        for patch, own in ((p, k[i]) for p, k in zip(old, old_keys, strict=True)):
+            if (
+                own
+                and column.count(own) == 1
+                and all(patch is not o and new[column.index(own)] is not n for o, n in pairs)
+            ):
+                pairs.append((patch, new[column.index(own)]))
+    return pairs
 
 
 def export(project: Path, force: bool = False) -> list[str]:
@@ -78,13 +91,23 @@ def export(project: Path, force: bool = False) -> list[str]:
             f"patches/ changed since {WORKSPACE} was materialized ({', '.join(changed_names(snapshot, current))}): run"
             " `materialize` to pick the changes up, or `export --force` to overwrite them with the workspace"
         )
-    lost = _lost_sections(snapshot, planned, sdist_files(fetch_sdist(read_pin(project))))
+    shipped = sdist_files(fetch_sdist(read_pin(project)))
+    pairs = matched(snapshot, planned, shipped)
+    lost = []  # upstream-only sections a patch had and would lose (a commit recreated without its note)
+    for old, new in pairs:
+        if gone := {s.path for s in old.sections if s.path not in shipped} - {s.path for s in new.sections}:
+            lost.append(f"{new.subject}: {', '.join(sorted(gone))}")
     if lost and not force:
         raise PatchsetError(
             f"exporting would drop upstream-only sections ({'; '.join(lost)}): a commit was recreated without its"
             f" note (cherry-pick, reset?); copy it back with `git notes --ref={NOTES_REF} copy <old> <new>` in"
             f" {WORKSPACE}, or `export --force` to drop them"
         )
+    renamed = {old.name: new.name for old, new in pairs if old.name != new.name}
+    for name, data in planned.items():  # a `Depends-On:` follows its patch to its new name
+        for before, after in renamed.items():
+            data = data.replace(f"\nDepends-On: {before}\n".encode(), f"\nDepends-On: {after}\n".encode())
+        planned[name] = data
     changed = changed_names(current, planned)
     for name in changed:
         if name in planned:
@@ -92,4 +115,6 @@ def export(project: Path, force: bool = False) -> list[str]:
         else:
             (project / "patches" / name).unlink()
     record_snapshot(project, workspace)
+    if renamed:  # the workspace's commits say what the files now say
+        materialize_workspace(project, force=True)
     return changed

@@ -24,11 +24,6 @@ from pathlib import Path
 
 from patchset import PatchsetError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10: the same parser, from the index (build-system.requires lists it)
-    import tomli as tomllib
-
 PACKAGE_NAME_ENV = "PACKAGE_NAME"
 _SHARED_ABOUT = ("__author__", "__author_email__", "__license__", "__homepage__", "__docs_url__")
 # requirements/data/data.txt of upstream's repository at the pinned release (the comparison with the index's wheel
@@ -178,6 +173,11 @@ with open(os.path.join(os.path.dirname(__file__), "version.info"), encoding="utf
 
 def fork_url(project: Path) -> str:
     """The fork's public address: ``[tool.patchset] url`` in ``pyproject.toml``."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10: the same parser, from the index; imported here, where it is used, so that
+        import tomli as tomllib  # the commands that never read pyproject.toml (check, export) need nothing but git
+
     path = project / "pyproject.toml"
     try:
         url = tomllib.loads(path.read_text(encoding="utf-8")).get("tool", {}).get("patchset", {}).get("url")

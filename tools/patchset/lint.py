@@ -8,7 +8,7 @@ from pathlib import Path
 
 from patchset import PatchsetError
 from patchset.pin import PIN_FILE
-from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, named, read_series, series_entries
+from patchset.series import FORK_TRAILERS, SERIES_FILE, Patch, read_series, series_entries
 
 # DEP-3: `Forwarded` is `no`, `not-needed` or where the patch was sent; `Applied-Upstream` appears only once upstream
 # has the patch, and names the version, URL or commit that has it.
@@ -46,9 +46,8 @@ def lint(project: Path, new_files: list[str]) -> list[str]:
     owners: dict[str, set[str]] = {rel: set() for rel in new_files}
     for i, patch in enumerate(patches):
         problems += [f"{patch.name}: {p}" for p in patch_problems(patch)]
-        depends = patch.field("Depends-On")
-        dependency = named(depends, patches[:i]) if depends else None
-        if depends and (dependency is None or not dependency.upstreamable):
+        depends, earlier = patch.field("Depends-On"), {p.name: p for p in patches[:i]}
+        if depends and (depends not in earlier or not earlier[depends].upstreamable):
             problems.append(
                 f"{patch.name}: Depends-On: {depends} is not an earlier, upstream-bound patch of the series"
             )

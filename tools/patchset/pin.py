@@ -60,6 +60,8 @@ def read_pin(project: Path) -> Pin:
     missing = [key for key in _KEYS if key not in values]
     if missing:
         raise PatchsetError(f"{path}: missing {', '.join(missing)}: add a `key = value` line for each")
+    if values["sdist"] != f"{values['name']}-{values['version']}.tar.gz":
+        raise PatchsetError(f"{path}: sdist {values['sdist']} is not {values['name']} {values['version']}'s sdist")
     sha = values["sha256"].lower()
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise PatchsetError(f"{path}: sha256 must be 64 hex digits, got {values['sha256']!r}")
@@ -122,9 +124,10 @@ def fetch_sdist(pin: Pin) -> Path:
             os.replace(downloaded, path)
     actual = file_sha256(path)
     if actual != pin.sha256:
+        if not override:  # never kept under a hash it does not have
+            path.unlink()
         raise PatchsetError(
-            f"{origin}: sha256 {actual} does not match the pinned {pin.sha256} of {pin.sdist} ({PIN_FILE});"
-            " nothing was built"
+            f"{origin}: sha256 {actual} does not match the pinned {pin.sha256} of {pin.sdist} ({PIN_FILE})"
         )
     return path
 

@@ -23,7 +23,7 @@ from patchset import PatchsetError
 from patchset.flavours import fork_url
 from patchset.gitops import git
 from patchset.overlay import overlay_files
-from patchset.series import Patch, find_patch, issue_lines, issue_refs
+from patchset.series import Patch, issue_lines, issue_refs
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 NOT_ANSWERED = "**not answered**"
@@ -105,7 +105,7 @@ def answers(project: Path, patch: Patch) -> list[tuple[str, Answer]]:
     entries = [f"`{e.package}` {e.section}: {e.text}" for e in patch.changelog]
     one = f"Yes: one patch of the series ({patch.subject})"
     if depends := patch.field("Depends-On"):
-        one += f"; it stacks on the PR of {find_patch(project, depends).subject}, which goes first"
+        one += f"; it stacks on the PR of {depends.removesuffix('.patch')}, which goes first"
     breaking = "Yes, above." if breaking_changes(patch) else "There are none (no Removed or Changed entries)."
     return [
         ("discussed/agreed", agreed_answer(project, patch)),

@@ -2,7 +2,7 @@
 
 The label (``local-version``, ``patchset.N``) is bumped here rather than derived from the series (a count or a digest
 would change with every commit that touches the patches, name no decision, and a digest does not sort). The release
-commit's full hash goes under its CHANGELOG heading: users pin that hash, since a clone has every commit but no tags.
+commit's full hash goes under its CHANGELOG heading: users pin that hash, which names the release for good, tag or no.
 """
 
 from __future__ import annotations

@@ -174,23 +174,17 @@ def series_files(patches_dir: Path) -> dict[str, bytes]:
 
 
 def find_patch(project: Path, ref: str) -> Patch:
-    """A patch of the series by its leading number (``2`` or ``0002``), by path, or by file name (see :func:`named`)."""
+    """A patch of the series by file name, by path, or by its leading number (``2`` or ``0002``)."""
     patches = read_series(project)
-    if ref.isdigit() and (numbered := [p for p in patches if p.name.startswith(f"{int(ref):04d}-")]):
-        return numbered[0]
-    if found := named(Path(ref).name, patches):
-        return found
+    for patch in patches:
+        if Path(ref).name == patch.name or (ref.isdigit() and patch.name.startswith(f"{int(ref):04d}-")):
+            return patch
     raise PatchsetError(f"{ref}: no such patch in patches/series ({', '.join(p.name for p in patches)})")
 
 
-def named(name: str, patches: list[Patch]) -> Patch | None:
-    """The patch a file name names (as ``Depends-On:`` does): that file, else the one with its subject (a patch
-    inserted before it renumbered it), else the one with its number (its subject was reworded)."""
-    number, _, slug = name.partition("-")
-    exact = [p for p in patches if p.name == name]
-    same_subject = [p for p in patches if p.name.partition("-")[2] == slug]
-    same_number = [p for p in patches if p.name[:4] == number]
-    return next(iter(exact or same_subject or same_number), None)
+def patch_id(sections: list[Section]) -> str:
+    """Their patch-id (``git patch-id``): the same for a patch whose message or number alone changed; "" for none."""
+    return git(Path("/"), "patch-id", "--stable", input=b"".join(s.text for s in sections)).stdout.decode()[:40]
 
 
 def issue_refs(values: list[str]) -> list[str]:

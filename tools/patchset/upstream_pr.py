@@ -127,7 +127,7 @@ def _commit(project: Path, patch: Patch, onto: Path, new_files: list[str], autho
     env = None
     if not identity and not any(os.environ.get(k) for k in ("GIT_COMMITTER_EMAIL", "EMAIL")):
         env = {"GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": address.rstrip(">")}
-    said = am(onto, "-3", "--keep-cr", str(patch.path), isolated=False, env=env)
+    said = am(onto, "-3", "--keep-cr", "--keep-non-patch", str(patch.path), isolated=False, env=env)
     if said is not None:  # git's account of which file conflicts, without its advice on a session now aborted
         detail = "\n".join(line for line in said.splitlines() if "git am " not in line and "resolved this" not in line)
         raise PatchsetError(f"{patch.name} does not apply to {onto}; git said:\n{detail}")

@@ -1,6 +1,6 @@
 """The workspace, ``.work/tree``: a git repository of the upstream base and one commit per patch, with the new files.
 
-It owns its path and lock, the snapshot of ``patches/`` it was made from, the guards that keep unexported work from
+It owns its path, the snapshot of ``patches/`` it was made from, the guards that keep unexported work from
 loss, its commits formatted as patch files, and the upstream-only sections of each commit, kept as a git note (under
 :data:`NOTES_REF`, which follows amend and rebase there) since the files they change are not in the sdist.
 """
@@ -67,7 +67,7 @@ def apply_series(repo: Path, patches: list[Patch], shipped: frozenset[str], thre
     """Apply each patch as one commit (its upstream-only sections as the commit's note): ``None``, or why not."""
     for patch in patches:
         extra = upstream_only(patch, shipped)
-        args = ["-q", "--keep-cr", *(["-3"] if three_way else []), *exclude_args(extra)]
+        args = ["-q", "--keep-cr", "--keep-non-patch", *(["-3"] if three_way else []), *exclude_args(extra)]
         if am(repo, *args, str(patch.path)) is not None:
             yield diagnose(repo, patch, exclude_args(extra))
             continue
@@ -120,6 +120,8 @@ def patch_name(position: int, subject: str) -> str:
 def planned_export(project: Path, workspace: Path) -> dict[str, bytes]:
     """The series file and patches that exporting ``workspace`` would write, by name."""
     refuse_busy(workspace)
+    if git(workspace, "symbolic-ref", "-q", "HEAD", check=False).stdout.strip() != b"refs/heads/main":
+        raise PatchsetError(f"{workspace} is not on its branch main: check out main (with your commits) first")
     files = {}
     for position, commit in enumerate(out(workspace, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split(), 1):
         files[patch_name(position, out(workspace, "log", "-1", "--format=%s", commit))] = format_commit(
