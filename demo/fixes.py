@@ -152,33 +152,6 @@ def requires_case() -> dict[str, Any]:
     return {"version": lightning.__version__, "unpatched": [r for r in requires if r.startswith("pytorch-lightning")]}
 
 
-# a test that loses its port on its first attempt, as when another process takes it between pick and bind
-_LOSES_ITS_PORT = """
-import os, pathlib, socket
-
-def test_binds_a_port():
-    first = not pathlib.Path(os.environ["DEMO_MARKER"]).exists()
-    pathlib.Path(os.environ["DEMO_MARKER"]).touch()
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    with socket.socket() as mine:
-        mine.bind(("127.0.0.1", taken.getsockname()[1] if first else 0))
-"""
-
-
-def rerun_case(with_plugin: bool) -> dict[str, Any]:
-    """The summary of pytest on a test that loses its port once, with or without 0005's plugin."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "test_port.py").write_text(_LOSES_ITS_PORT)
-        plugin = ["-p", "lightning.fabric.utilities.testing._port_reruns"] if with_plugin else []
-        env = {**os.environ, "DEMO_MARKER": str(Path(tmp, "attempted"))}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *plugin, tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-    return {"exit": proc.returncode, "summary": (proc.stdout.strip().splitlines() or [""])[-1].strip("= ")}
-
-
 def stock_env(version: str) -> dict[str, str] | None:
     """An environment whose `import lightning` is stock `lightning==version` (installed once into the cache).
 
@@ -220,8 +193,6 @@ def run(part: str, env: dict[str, str] | None = None) -> dict[str, Any]:
 
 def main() -> None:
     """Each fix at work, next to stock."""
-    import importlib.util
-
     import lightning
 
     print(f"fork: lightning {lightning.__version__} from {lightning.__file__}")
@@ -265,15 +236,6 @@ def main() -> None:
     # on macOS and Windows the fork picks as stock does (docs/ports.md)
     assert race["twice"] == 0 or sys.platform != "linux", "the fork handed one port to two processes"
 
-    print("\n0005 fabric: pytest on a test that loses its port on its first attempt (EADDRINUSE)")
-    if importlib.util.find_spec("pytest") is None:
-        print("     pytest is not installed: `pip install pytest` to see it")
-        return
-    print(f"     without the plugin: {run('--rerun-case-without')['summary']}")
-    rerun = run("--rerun-case-with")
-    print(f"     with `-p lightning.fabric.utilities.testing._port_reruns`: {rerun['summary']}")
-    assert rerun["exit"] == 0, "the plugin did not rerun the test that lost its port"
-
 
 if __name__ == "__main__":
     cases = {
@@ -281,8 +243,6 @@ if __name__ == "__main__":
         "--interval-case": interval_case,
         "--port-race": port_race,
         "--requires-case": requires_case,
-        "--rerun-case-with": lambda: rerun_case(True),
-        "--rerun-case-without": lambda: rerun_case(False),
     }
     if sys.argv[1:2] and sys.argv[1] in cases:
         print(json.dumps(cases[sys.argv[1]]()))

@@ -1,8 +1,6 @@
 # The fork's own test setup, for every test below `tests/` (tests_fabric, tests_pytorch, tests_patchset); this file is
-# not at an upstream path. Upstream wires the port-conflict rerun plugin in its own tests/tests_fabric/conftest.py and
-# tests/tests_pytorch/conftest.py (patch 0005), and resets the environment and process group after each test there:
-# the fork's copies of those tests need the same.
-import contextlib
+# not at an upstream path. Upstream resets the environment and process group after each test in its own
+# tests/tests_fabric/conftest.py and tests/tests_pytorch/conftest.py: the fork's copies of those tests need the same.
 import importlib
 import importlib.metadata
 import os
@@ -41,31 +39,6 @@ _provide_runif("pytorch")
 # as their pull requests have them (upstream has no `slow` marker), so the fork marks these here, by name, for the quick
 # mode (`-m "not slow"`). The tests of error paths stay in the quick mode, and so do the files' in-process tests.
 _SLOW_TESTS = {
-    "tests_fabric/utilities/test_port_reruns.py": {
-        "test_nothing_changes_for_tests_that_keep_their_port",
-        "test_last_failed_selects_the_same_tests",
-        "test_a_test_that_lost_its_port_is_rerun",
-        "test_a_test_that_lost_its_port_is_rerun_under_xdist",
-        "test_tests_the_suite_reruns_itself_are_left_to_its_settings",
-        "test_number_of_reruns_from_the_environment",
-        "test_a_rerun_runs_as_if_the_test_came_next",
-        "test_a_rerun_is_timed_as_any_attempt",
-    },
-    "tests_fabric/utilities/test_port_reruns_cleanup.py": {
-        "test_only_the_launcher_children_of_the_failed_test_are_killed_and_only_before_a_rerun",
-        "test_a_process_group_the_test_did_not_create_survives",
-        "test_what_the_failed_test_set_up_is_undone_before_the_rerun",
-    },
-    "tests_fabric/utilities/test_port_reruns_evidence.py": {
-        "test_a_child_that_lost_its_port_is_told_from_its_captured_output_never_its_command_line",
-    },
-    "tests_fabric/utilities/test_port_reruns_fixtures.py": {
-        "test_a_shared_fixture_is_rerun_only_by_its_last_test_and_set_up_again_for_it",
-        "test_a_fixture_that_lost_its_port_is_set_up_again_for_the_rerun",
-    },
-    "tests_fabric/utilities/test_port_reruns_junit.py": {
-        "test_junit_xml_has_one_test_case_per_test_with_its_last_outcome",
-    },
     "tests_pytorch/checkpointing/test_checkpoint_pre_optimizer_step_ddp.py": {
         "test_ranks_that_log_in_different_batches_neither_hang_nor_pair_wrongly",
         "test_a_rank_without_the_monitored_value_defers_as_the_others_do",
@@ -94,10 +67,6 @@ def pytest_configure(config):
         version = "not installed"
     if "+patchset" not in version:
         pytest.exit(f"install the fork first: `pip install .` (lightning is {version})", returncode=4)
-    with contextlib.suppress(ImportError):
-        from lightning.fabric.utilities.testing import _port_reruns
-
-        _port_reruns.register(config)
 
 
 @pytest.fixture(autouse=True)
