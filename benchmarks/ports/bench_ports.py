@@ -27,16 +27,20 @@ ephemeral listeners and make outgoing connections, as other programs on a CI mac
   until the run ends. This coordinates the pickers but not the noise;
 * ``held`` (this patch): the fork's ``LightningEnvironment``, whose pick stays bound (``SO_REUSEADDR``, not
   listening) until the store is bound, where ``_release_port()`` ends the hold as ``_init_dist_connection`` does;
-* ``sweep-stock`` and ``sweep-held``: several fits in one process, each worker's trials one after the other. Stock
-  leaves the ``MASTER_PORT`` its launcher wrote, so every fit after the first reuses that port, unheld, after a gap;
-  the fork's spawn launchers set it through ``_launching_on_port``, which puts it back when the fit ends, so every fit
-  picks and holds a port of its own (``sweep-held`` runs that code).
+* ``sweep``: several fits in one process, each worker's trials one after the other. Both builds' spawn launchers
+  leave the ``MASTER_PORT`` they wrote, so every fit after the first reuses that port, unheld, after a gap. (An earlier
+  version of the fork put ``MASTER_PORT`` back after each fit, so that every fit picked and held a port of its own:
+  real launches then left more ports in TIME_WAIT than stock and ran out of a narrow range; see
+  ``real_launches.py``.)
+
+These are stand-ins: the stores accept no connection, so they never leave a port in TIME_WAIT. ``real_launches.py``
+measures real launches of Fabric and the Trainer.
 
 The store is bound as ``TCPStore``'s server binds (both backends): a dual-stack socket where available,
 ``SO_REUSEADDR``, bind, listen. That bind fails with ``EADDRINUSE`` under exactly the conditions the store's does, so
-the trials use it instead of a full ``TCPStore`` (``tests/tests_fabric/utilities/test_reserved_port.py`` checks that
-real stores of both backends bind held ports). A trial fails when the bind fails ("EADDRINUSE"); "shared" counts
-pairs of trials of different processes that were handed the same port while both were alive.
+the trials use it instead of a full ``TCPStore`` (``real_launches.py`` runs real stores). A trial fails when the bind
+fails ("EADDRINUSE"); "shared" counts pairs of trials of different processes that were handed the same port while both
+were alive.
 
 Run from the repository root, with the fork installed (not part of the test suite)::
 
@@ -65,7 +69,7 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing import get_context
 
-PICKERS = ("stock", "find_free_network_port", "per-process", "name-lease", "held", "sweep-stock", "sweep-held")
+PICKERS = ("stock", "find_free_network_port", "per-process", "name-lease", "held", "sweep")
 
 
 def _stock() -> tuple[int, None]:
@@ -136,7 +140,6 @@ def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None
     """The picked port, what to call once the store is bound, and what to call when the run has ended."""
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
-    from lightning.fabric.strategies.launchers.multiprocessing import _launching_on_port
 
     nothing = lambda: None  # noqa: E731
     if picker == "stock":
@@ -149,15 +152,11 @@ def _pick(picker: str, per_process: _PerProcess) -> tuple[int, Callable[[], None
     if picker == "name-lease":
         port, lease = _name_lease()
         return port, nothing, lease.close
-    if picker == "sweep-stock":  # 2.6.6's LightningEnvironment.main_port, and its launchers' MASTER_PORT, left set
+    if picker == "sweep":  # LightningEnvironment.main_port, and the launchers' MASTER_PORT, left set (both builds)
         port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else _stock()[0]
         os.environ["MASTER_PORT"] = str(port)
         return port, nothing, nothing
     env = LightningEnvironment()
-    if picker == "sweep-held":  # as the spawn launchers do: MASTER_PORT for the fit, put back when it ends
-        launch = _launching_on_port(env)
-        launch.__enter__()
-        return env.main_port, nothing, lambda: (launch.__exit__(None, None, None), env)  # env: alive until then
     return env.main_port, env._release_port, env.teardown
 
 
@@ -294,7 +293,7 @@ def main() -> None:
     parser.add_argument("--pickers", nargs="+", default=list(PICKERS), choices=PICKERS)
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    import lightning.fabric.utilities.reserved_port  # noqa: F401  (imported once, before the workers fork)
+    import lightning.fabric.plugins.environments.lightning  # noqa: F401  (imported once, before the workers fork)
 
     if args.inside:
         print(json.dumps(run_scenario(args)))

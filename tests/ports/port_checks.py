@@ -24,6 +24,16 @@ def held_here(port: int) -> bool:
     return False
 
 
+def can_bind(port: int) -> bool:
+    """Whether a socket without ``SO_REUSEADDR`` can bind ``port``: not while any socket of any process holds it."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A port no socket is bound to right now, for a test that sets ``MASTER_PORT`` itself."""
     with socket.socket() as sock:

@@ -1,8 +1,7 @@
-"""The fork's own checks of the port hold (0002) at the level a user meets it: the environment, the process group, the
-spawn launchers' ``MASTER_PORT``, other processes of the machine.
+"""The fork's own checks of the port hold (0002) at the level a user meets it: the environment, the process group,
+forked processes, other processes of the machine.
 
-The pull request's tests are its unit tests of ``_ReservedPort`` (``tests_fabric/utilities/test_reserved_port.py``,
-which this suite runs too) and the tests it adds to upstream's own test files, which the release's sdist does not ship
+The pull request's tests are the ones it adds to upstream's own test files, which the release's sdist does not ship
 (``nox -s upstream -- 0002`` runs them). Fabric runs and a Trainer sweep, in subprocesses, are in
 ``test_port_hold_runs.py``.
 
@@ -17,14 +16,13 @@ import warnings
 
 import pytest
 import torch.distributed
-from port_checks import held_here
+from port_checks import can_bind, free_port, held_here
+from torch.utils.data import DataLoader
 
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning.fabric.strategies.launchers.multiprocessing import _launching_on_port
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from tests_fabric.helpers.runif import RunIf
-from tests_fabric.utilities.test_reserved_port import _can_bind
 
 
 @pytest.fixture
@@ -41,10 +39,10 @@ def test_picked_port_is_held_until_teardown(env):
     port = env.main_port
     assert env.main_port == port
     assert held_here(port)
-    assert not _can_bind(port)
+    assert not can_bind(port)
     env.teardown()
     assert not held_here(port)
-    assert _can_bind(port)
+    assert can_bind(port)
     assert env.main_port == port
 
 
@@ -62,7 +60,7 @@ def test_the_process_group_releases_the_port_once_its_store_is_up(env):
     finally:
         torch.distributed.destroy_process_group()
         other.teardown()
-    assert _can_bind(port)
+    assert can_bind(port)
 
 
 @RunIf(linux_only=True)
@@ -72,7 +70,7 @@ def test_a_process_group_that_fails_to_start_releases_the_port(env):
     with pytest.raises(Exception, match=r"(?i)not-a-backend"):  # torch 2.1 names it in upper case
         _init_dist_connection(env, "not-a-backend", global_rank=0, world_size=1)
     assert not held_here(port)
-    assert _can_bind(port)
+    assert can_bind(port)
 
 
 @pytest.mark.slow  # a second interpreter picks 500 ports
@@ -92,7 +90,7 @@ def test_user_port_is_used_as_given(monkeypatch):
         monkeypatch.setenv("MASTER_PORT", f" {busy}\n")
         env = LightningEnvironment()
         assert env.main_port == busy
-        assert env._reserved_port is None
+        assert env._held_socket is None
         monkeypatch.delenv("MASTER_PORT")
         monkeypatch.setenv("STANDALONE_PORT", str(busy))
         assert LightningEnvironment().main_port == busy
@@ -110,34 +108,42 @@ def test_hosts_without_ipv6_still_hold_the_port(monkeypatch, env):
 
 def test_find_free_network_port_holds_nothing():
     """Holding it would make callers that bind the number without ``SO_REUSEADDR`` fail: it stays as it was."""
-    assert _can_bind(find_free_network_port())
+    assert can_bind(find_free_network_port())
 
 
 @RunIf(linux_only=True)
-def test_the_spawn_launchers_context_releases_its_environments_port_and_puts_master_port_back(env, monkeypatch):
-    port = env.main_port  # picked and held: no MASTER_PORT was set
-    monkeypatch.setenv("MASTER_PORT", "1234")  # set afterwards, as by an earlier launch
-    with _launching_on_port(env):
-        assert os.environ["MASTER_PORT"] == str(port)
+def test_a_process_group_that_exists_already_releases_the_port(env):
+    """A user's ``init_process_group(init_method="tcp://...")`` first: the port a launcher picked is not used."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        port = env.main_port  # read by a launcher before the strategy reaches the process group
         assert held_here(port)
-    assert not held_here(port)
-    assert os.environ["MASTER_PORT"] == "1234"
-    with _launching_on_port(env):  # a second launch on the port, released by now (fit, then test): as before
-        assert os.environ["MASTER_PORT"] == str(port)
-    assert os.environ["MASTER_PORT"] == "1234"  # put back all the same: the next environment picks its own
-    monkeypatch.delenv("MASTER_PORT")
-    fresh = LightningEnvironment()
-    with pytest.raises(RuntimeError, match="launch failed"), _launching_on_port(fresh):
-        raise RuntimeError("launch failed")
-    assert not held_here(fresh.main_port)
-    assert "MASTER_PORT" not in os.environ
+        _init_dist_connection(env, "gloo", global_rank=0, world_size=1)
+        assert not held_here(port)
+        assert can_bind(port)
+    finally:
+        torch.distributed.destroy_process_group()
 
 
-def test_the_spawn_launchers_context_leaves_a_port_it_did_not_hold_as_before(monkeypatch):
-    """``STANDALONE_PORT``, a user's port or a platform without the hold: ``MASTER_PORT`` stays set, as before."""
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    monkeypatch.setenv("STANDALONE_PORT", "4321")
-    env = LightningEnvironment()
-    with _launching_on_port(env):
-        assert os.environ["MASTER_PORT"] == "4321"
-    assert os.environ["MASTER_PORT"] == "4321"
+@RunIf(linux_only=True)
+def test_a_process_forked_while_the_port_is_held_does_not_keep_it(env):
+    """``os.fork`` and a persistent fork-context DataLoader worker: neither keeps the port the environment let go."""
+    port = env.main_port
+    started, done = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(started[1], b"1")
+        os.read(done[0], 1)  # alive until the parent has checked
+        os._exit(0)
+    os.read(started[0], 1)
+    loader = DataLoader(range(4), num_workers=1, persistent_workers=True, multiprocessing_context="fork")
+    try:
+        assert next(iter(loader)).tolist() == [0]  # the worker has started, and is kept
+        env.teardown()
+        assert can_bind(port)
+    finally:
+        os.write(done[1], b"1")
+        os.waitpid(pid, 0)
+        for fd in (*started, *done):
+            os.close(fd)
+        del loader
