@@ -65,12 +65,7 @@ def run(fabric):
         atexit.register(exit_now)
     return total
 
-def fit(kind, strategy):
-    if kind == "fabric":
-        from lightning.fabric import Fabric
-
-        assert Fabric(strategy=strategy, devices=2, accelerator="cpu").launch(run) == 3.0
-        return
+if sys.argv[1] == "trainer":  # at module level: the spawn launchers pickle the Trainer and its callbacks
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -79,6 +74,12 @@ def fit(kind, strategy):
             if multiprocessing.parent_process() is not None or trainer.global_rank > 0:
                 atexit.register(exit_now)
 
+def fit(kind, strategy):
+    if kind == "fabric":
+        from lightning.fabric import Fabric
+
+        assert Fabric(strategy=strategy, devices=2, accelerator="cpu").launch(run) == 3.0
+        return
     trainer = Trainer(
         strategy=strategy, devices=2, accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
