@@ -28,6 +28,7 @@ from patchset_helpers import (
 )
 
 from patchset.overlay import overlay_files
+from patchset.series import read_series
 
 
 @pytest.mark.slow
@@ -70,8 +71,9 @@ def test_the_three_distributions_install_side_by_side_and_import_the_fixes(fork_
     proc = pip(python, "install", "--no-deps", *map(str, fork_wheels.values()))
     assert proc.returncode == 0, proc.stderr
     site = site_packages(python)
-    ours = [rel for rel in overlay_files(REPO) if rel.startswith("src/lightning/fabric/") and rel.endswith(".py")]
-    assert ours
+    changed = {s.path for patch in read_series(REPO) for s in patch.sections} | set(overlay_files(REPO))
+    ours = sorted(rel for rel in changed if rel.startswith("src/lightning/fabric/") and rel.endswith(".py"))
+    assert ours  # the files the patches change or add under lightning.fabric
     modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in ours]
     mirrored = [m.replace("lightning.fabric", "lightning_fabric", 1) for m in modules]
     files = run_python(python, f"import importlib; print(*[importlib.import_module(m).__file__ for m in {mirrored}])")
