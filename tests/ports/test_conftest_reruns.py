@@ -301,8 +301,12 @@ def test_only_the_evidence_an_exception_carries_counts(suite, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "env", "stdin"),
-    [([], {"PL_PORT_CONFLICT_RERUNS": "0"}, ""), (["--pdb"], {}, "c\n" * 5)],
-    ids=["PL_PORT_CONFLICT_RERUNS=0", "--pdb"],
+    [
+        ([], {"PL_PORT_CONFLICT_RERUNS": "0"}, ""),
+        ([], {"PL_PORT_CONFLICT_RERUNS": "-1"}, ""),  # not `flaky(reruns=-1)`, which runs no test at all
+        (["--pdb"], {}, "c\n" * 5),
+    ],
+    ids=["PL_PORT_CONFLICT_RERUNS=0", "PL_PORT_CONFLICT_RERUNS=-1", "--pdb"],
 )
 def test_turned_off(suite, tmp_path, args, env, stdin):
     proc, attempts, _ = _run(suite, tmp_path, "test_ports.py::test_loses_its_port", *args, env=env, stdin=stdin)
