@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ensurepip
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -142,14 +143,14 @@ def pip_in_venv(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def fork_wheels(tmp_path_factory: pytest.TempPathFactory, worker_id: str, patchset_cache: Path) -> dict[str, Path]:
+def fork_wheels(tmp_path_factory: pytest.TempPathFactory, patchset_cache: Path) -> dict[str, Path]:
     """The fork's three distributions, built once per run as users build them (``pip wheel`` through the backend).
 
     Built from a copy of this checkout's files (no git: the version is the pin's, :data:`patchset_helpers.FORK`), and
     shared by pytest-xdist's workers: the first to get the lock builds, the others wait and read.
     """
     root = tmp_path_factory.getbasetemp()
-    root = root.parent if worker_id != "master" else root  # the run's folder, which every worker's is in
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, every worker's is in it
     dest = root / "fork-wheels"
     with FileLock(str(root / "fork-wheels.lock")):
         if not (dest / "built").is_file():
