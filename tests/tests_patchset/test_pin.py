@@ -72,9 +72,8 @@ def test_hash_mismatch_names_the_file_and_both_hashes(project: Path, monkeypatch
     assert fake.is_file()  # the user's file stays where it is
 
 
-def test_a_download_with_another_hash_is_not_kept(project: Path, monkeypatch, tmp_path: Path, upstream_sdist: Path):
-    pin = project / "patches" / "upstream.pin"
-    pin.write_text(pin.read_text().replace(read_pin(project).sha256, "b" * 64))
+def _cold_cache_and_local_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, upstream_sdist: Path) -> Path:
+    """An empty cache, and pip's source seeded with the verified sdist (a local find-links index): no network."""
     monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(SDIST_ENV, raising=False)
     links = tmp_path / "links"
@@ -82,6 +81,13 @@ def test_a_download_with_another_hash_is_not_kept(project: Path, monkeypatch, tm
     shutil.copy(upstream_sdist, links / upstream_sdist.name)
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
+    return links
+
+
+def test_a_download_with_another_hash_is_not_kept(project: Path, monkeypatch, tmp_path: Path, upstream_sdist: Path):
+    pin = project / "patches" / "upstream.pin"
+    pin.write_text(pin.read_text().replace(read_pin(project).sha256, "b" * 64))
+    _cold_cache_and_local_index(monkeypatch, tmp_path, upstream_sdist)
     with pytest.raises(PatchsetError, match=f"does not match the pinned {'b' * 64}"):
         fetch_sdist(read_pin(project))
     assert not list((tmp_path / "cache").rglob("*.tar.gz"))
@@ -95,14 +101,7 @@ def test_missing_override_file(project: Path, monkeypatch, tmp_path: Path):
 
 def test_download_goes_through_pip_and_the_cache(project: Path, monkeypatch, tmp_path: Path, upstream_sdist: Path):
     """A cold cache downloads with pip (the user's index settings apply); a warm one does not."""
-    monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(SDIST_ENV, raising=False)
-    # seed pip's source with the already verified sdist so no network is needed: a local find-links index
-    links = tmp_path / "links"
-    links.mkdir()
-    shutil.copy(upstream_sdist, links / upstream_sdist.name)
-    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    links = _cold_cache_and_local_index(monkeypatch, tmp_path, upstream_sdist)
     first = fetch_sdist(read_pin(project))
     assert first == tmp_path / "cache" / "sdist" / read_pin(project).sha256 / "lightning-2.6.6.tar.gz"
     assert file_sha256(first) == read_pin(project).sha256
