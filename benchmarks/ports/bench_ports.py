@@ -61,6 +61,7 @@ import random
 import shutil
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -189,8 +190,12 @@ def worker(picker: str, trials: int, window: float, seed: int, out) -> None:
     out.put((os.getpid(), results))
 
 
-def noise(stop, seed: int) -> None:
-    """Churn ephemeral ports: short-lived listeners on port 0 and outgoing connections."""
+def noise(stop, seed: int, max_held: int = 20, reset: bool = False, pause: float = 0.002) -> None:
+    """Churn ephemeral ports: short-lived listeners on port 0 and outgoing connections.
+
+    With ``reset``, connections end with a reset (``SO_LINGER`` 0) rather than in ``TIME_WAIT``, so that what remains
+    in ``TIME_WAIT`` afterwards is the launches' own (``real_launches.py`` counts it).
+    """
     rng = random.Random(seed)
     sink = socket.socket()
     sink.bind(("127.0.0.1", 0))
@@ -205,13 +210,18 @@ def noise(stop, seed: int) -> None:
                 s.listen(1)
             else:
                 s = socket.create_connection(sink.getsockname(), timeout=1)
+                if reset:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             held.append(s)
         with contextlib.suppress(OSError):
             while True:
-                sink.accept()[0].close()
-        while len(held) > 20 or (held and rng.random() < 0.3):
+                accepted = sink.accept()[0]
+                if reset:
+                    accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                accepted.close()
+        while len(held) > max_held or (held and rng.random() < 0.3):
             held.pop(rng.randrange(len(held))).close()
-        time.sleep(rng.uniform(0, 0.002))
+        time.sleep(rng.uniform(0, pause))
 
 
 def _shared(intervals: list) -> int:

@@ -102,35 +102,14 @@ if __name__ == "__main__":
         exit_now()
 """
 
-_NOISE = r"""
-import random, socket, struct, sys, time
-rng = random.Random(int(sys.argv[2]))
-deadline = time.monotonic() + float(sys.argv[1])
-sink = socket.create_server(("127.0.0.1", 0), backlog=1024)
-sink.setblocking(False)
-held = []
-while time.monotonic() < deadline:
-    try:
-        if rng.random() < 0.5:
-            s = socket.socket()
-            s.bind(("", 0))
-            s.listen(1)
-        else:
-            s = socket.create_connection(sink.getsockname(), timeout=1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset: no TIME_WAIT
-        held.append(s)
-    except OSError:
-        pass
-    try:
-        while True:
-            c = sink.accept()[0]
-            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            c.close()
-    except OSError:
-        pass
-    while len(held) > 8 or (held and rng.random() < 0.3):
-        held.pop(rng.randrange(len(held))).close()
-    time.sleep(rng.uniform(0, 0.004))
+# bench_ports.noise for the seconds given, with resets so that TIME_WAIT counts only the launches' sockets
+_NOISE = f"""
+import sys, threading
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from bench_ports import noise
+stop = threading.Event()
+threading.Timer(float(sys.argv[1]), stop.set).start()
+noise(stop, int(sys.argv[2]), max_held=8, reset=True, pause=0.004)
 """
 
 
