@@ -11,13 +11,15 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The state from before a training batch's first optimizer step, for ``ModelCheckpoint``'s top-k files."""
+"""The state at a training batch's optimizer steps, for ``ModelCheckpoint(save_pre_optimizer_step_state=True)``."""
 
+import copy
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 import lightning.pytorch as pl
@@ -26,203 +28,325 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 
-#: Key of a checkpoint that holds the state from before the first optimizer step of the batch at whose end it was saved.
-PRE_OPTIMIZER_STEP_KEY = "pre_optimizer_step"
+#: Older values of the tensors that no optimizer steps (buffers, frozen weights) are kept up to this many bytes.
+_OLDER_VALUES_BYTES = 1 << 20
 
 
 class _PreOptimizerStepState:
-    """The state from before a batch's first optimizer step, for one ``ModelCheckpoint``.
+    """The state at each optimizer step of the current training batch, for the checkpoints with the option.
 
-    It is written in place of the live state in the top-k files saved at the end of that batch, when the monitored
-    value was logged before that step.
+    One instance per fit, owned by the first such ``ModelCheckpoint`` and shared with the others, holds at most one
+    copy of the state: each parameter and its optimizer state as before its first update in the batch, and the other
+    tensors of the module as at the batch's first step (and as at later steps, while those fit in 1 MiB).
     """
 
-    def __init__(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
-        self._checkpoint = checkpoint
-        self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
-        # how many optimizer steps the batches took (0 under gradient accumulation); one under automatic optimization
-        self._steps_per_batch = {1} if trainer.lightning_module.automatic_optimization else set()
-        self._batch_seconds = 0.0  # how long the last batch took, to predict a `train_time_interval` save
+    def __init__(self, trainer: "pl.Trainer", users: list["ModelCheckpoint"]) -> None:
+        self.users = users
+        self._with_states = not all(c.save_weights_only for c in users)  # the optimizers' and schedulers' states
         self._warning_cache = WarningCache()
-        self._in_batch = self._started = False  # in a batch now; and since the fit started
-        self._start_step, self._start_time = 0, 0.0
+        self._steps_per_batch = {1} if trainer.lightning_module.automatic_optimization else set()
+        self._batch_seconds = 0.0
+        self._timed_saves = self._timed_live_saves = 0
+        # the checkpoints whose monitor no training batch that could save has logged yet, and those it was logged for
+        self._unlogged: set[int] = set()
+        self._logged_in_training: set[int] = set()
         self._free()
 
     def _free(self) -> None:
-        self.copy: Optional[dict[str, Any]] = None
-        self._versions: list[tuple[Tensor, int]] = []
-        self._start_value: Optional[Tensor] = None
-        self._step_value: Optional[Tensor] = None  # the monitored value at the batch's first optimizer step
-        self._deferred_value: Optional[Tensor] = None  # the value at the end of a batch whose save waits for validation
-        self._deferred_reason: Optional[str] = None  # and why its file cannot hold the pre-step state, if it cannot
-        self._armed = self._stepped = self._outside = False
+        self._started = self._copying = False  # the batch started; copying in it
+        self._filtered = False  # the batch's values, logged before its first step, could not enter any top-k
+        self._steps = self._start_step = 0  # the optimizer steps taken in this batch; the global step it started at
+        self._start_time = time.monotonic()
+        self._losses: list[tuple[Tensor, int]] = []  # each loss backpropagated, and the step that followed it
+        self._logged: dict[str, tuple[int, int]] = {}  # a monitor's storage at the batch start and at its first step
+        self._serving: list[ModelCheckpoint] = []  # the checkpoints that may save with this batch's copy
+        self._params: dict[Tensor, tuple[int, int, Tensor, Optional[dict], torch.optim.Optimizer]] = {}
+        self._others: dict[Tensor, list[tuple[int, Tensor]]] = {}  # tensors no optimizer steps: (step, value) each
+        self._small: list[tuple[list[list[dict]], list[dict]]] = []  # per step: param group options, scheduler states
+        self._pending: set[int] = set()  # the checkpoints that may still save with this batch's state
+        self._deferred: dict[int, int] = {}  # a checkpoint whose save waits for validation: the monitor's storage
 
     @classmethod
     def for_fit(cls, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> Optional["_PreOptimizerStepState"]:
-        """The state holder of ``checkpoint`` for this fit, or ``None`` with a warning if it cannot work here."""
-        if (reason := _unsupported_reason(trainer, with_states=not checkpoint.save_weights_only)) is None:
-            return cls(trainer, checkpoint)
+        """The instance the first checkpoint with the option owns, or ``None`` with a warning if it cannot work."""
+        users = [c for c in trainer.checkpoint_callbacks if getattr(c, "_save_pre_optimizer_step_state", False)]
+        if users[0] is not checkpoint:
+            return users[0]._pre_optimizer_step
+        if (reason := _unsupported_reason(trainer, with_states=not all(c.save_weights_only for c in users))) is None:
+            return cls(trainer, users)  # type: ignore[arg-type]
         rank_zero_warn(f"`save_pre_optimizer_step_state=True` saves the live state, as if it were off: {reason}")
         return None
 
     def on_train_batch_start(self, trainer: "pl.Trainer") -> None:
         self._free()
-        self._in_batch = self._started = True
-        self._start_step, self._start_time = trainer.global_step, time.monotonic()
-        self._armed = self._can_save(self._steps_per_batch)
-        if self._armed:  # `callback_metrics` builds a dict of every logged value: only where a save can follow
-            self._versions = [(p, p._version) for _, p in self._named_params if p.requires_grad]
-            self._start_value = trainer.callback_metrics.get(self._checkpoint.monitor)  # type: ignore[arg-type]
+        self._started, self._start_step = True, trainer.global_step
+        self._pending = {id(c) for c in self.users}
+        may_save = [c for c in self.users if self._may_save(c, self._steps_per_batch)]
+        if may_save:  # `callback_metrics` builds a dict of every logged value: only where a save may follow
+            metrics = trainer.callback_metrics
+            self._logged = {c.monitor: (_storage(metrics.get(c.monitor)), 0) for c in self.users}  # type: ignore[misc]
+        # a checkpoint whose monitor the training batches do not log (a validation score) cannot use a copy
+        self._serving = [c for c in may_save if id(c) not in self._unlogged]
+        self._copying = bool(self._serving)
 
-    def _can_save(self, steps: set[int]) -> bool:
-        """Whether the batch can end on a save if it takes one of ``steps`` optimizer steps (any, if none is known)."""
-        checkpoint = self._checkpoint
-        if checkpoint._train_time_interval is not None:
-            # whether the batch ends after the interval, if it takes 1.5 times as long as the one before
+    def _may_save(self, checkpoint: "ModelCheckpoint", steps: set[int]) -> bool:
+        """Whether ``checkpoint`` may save at the end of the batch, if it takes as many steps as those before."""
+        if (interval := checkpoint._train_time_interval) is not None:
+            # if the batch takes 1.5 times as long as the one before
             elapsed = self._start_time - (checkpoint._last_time_checked or 0.0) + 1.5 * self._batch_seconds
-            return elapsed >= checkpoint._train_time_interval.total_seconds()
+            return elapsed >= interval.total_seconds()
         return not steps - {0} or any((self._start_step + k) % checkpoint._every_n_train_steps == 0 for k in steps)
 
-    def on_before_optimizer_step(self, trainer: "pl.Trainer") -> None:
-        if not self._started:  # a step outside a batch (in `on_train_epoch_end`) comes after its saves, and is fine
-            self._warning_cache.warn(
-                "`save_pre_optimizer_step_state=True` saves the live state: `ModelCheckpoint.on_train_batch_start` did"
-                " not run (an override that does not call `super()`)."
-            )
-        if self._stepped or not self._in_batch:
-            return
-        self._stepped = True
-        # the batch steps, so it can end on a save only after as many steps as a batch that stepped took
-        self._armed = self._armed and self._can_save(self._steps_per_batch - {0})
-        if not self._armed:
-            return
-        self._step_value = value = trainer.callback_metrics.get(self._checkpoint.monitor)  # type: ignore[arg-type]
-        if not self._logged_in_batch(value) or not self._can_enter_top_k(value):  # type: ignore[arg-type]
-            return
-        self._outside = any(p._version != version for p, version in self._versions)
-        if self._outside:  # an in-place update Lightning did not see: the state the batch started with is gone
-            return
-        trained = {p for p, _ in self._versions}  # with those that `toggle_optimizer` froze since the batch started
-        clones: dict[Tensor, Tensor] = {}  # a tied parameter is copied once
-        for _, p in self._named_params:
-            if (p.requires_grad or p in trained) and p not in clones:
-                clones[p] = p.detach().clone()
-        states: dict[str, Any] = {}
-        if not self._checkpoint.save_weights_only:  # state dicts that hold the live tensors, copied below
-            states["optimizer_states"] = [optimizer.state_dict() for optimizer in trainer.optimizers]
-            states["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
-        states = apply_to_collection(states, Tensor, torch.clone)
-        params = {name: (p, clones[p]) for name, p in self._named_params if p in clones}
-        self.copy = {"global_step": trainer.global_step, "params": params, "states": states}
+    def on_before_backward(self, loss: Tensor) -> None:
+        if self._copying and loss.numel() == 1:
+            self._losses.append((loss.detach().clone(), self._steps))
 
-    def _logged_in_batch(self, value: Optional[Tensor]) -> bool:
-        """Whether ``value`` was logged since the batch started: every ``self.log`` call stores a new tensor."""
-        return value is not None and (self._start_value is None or not _same(value, self._start_value))
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
+        """Copies what this step is about to change, unless an earlier step of the batch copied it already."""
+        step, self._steps = self._steps, self._steps + 1
+        if not self._copying:
+            return
+        module = trainer.lightning_module
+        if step == 0:
+            metrics = trainer.callback_metrics
+            self._logged = {m: (start, _storage(metrics.get(m))) for m, (start, _) in self._logged.items()}
+            if all(self._cannot_enter_top_k(c, metrics.get(c.monitor)) for c in self._serving):  # type: ignore[arg-type]
+                self._filtered = True
+        if self._filtered:
+            return
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in self._params:
+                        self._params[p] = (self._params[p][0], step, *self._params[p][2:])
+                    else:
+                        state = optimizer.state.get(p) if self._with_states else None
+                        state = None if state is None else {k: _clone(v) for k, v in state.items()}
+                        self._params[p] = (step, step, p.detach().clone(), state, optimizer)
+            stepped = {p for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+            tensors = [t for t in (*module.parameters(), *module.buffers()) if t not in stepped]
+            self._record_others(tensors, step)
+        hyperparameters = [
+            [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers
+        ]
+        schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        self._small.append(copy.deepcopy((hyperparameters, schedulers)))
 
-    def _can_enter_top_k(self, value: Tensor) -> bool:
-        checkpoint = self._checkpoint
+    def _record_others(self, tensors: list[Tensor], step: int) -> None:
+        """The buffers and weights no optimizer steps, as at this step: each value it differs from the last kept."""
+        older = sum(v.nbytes for values in self._others.values() for _, v in values[:-1])
+        for t in tensors:
+            values = self._others.setdefault(t, [])
+            if values and torch.equal(values[-1][1], t):
+                continue
+            values.append((step, t.detach().clone()))
+            older += values[-2][1].nbytes if len(values) > 1 else 0
+            while older > _OLDER_VALUES_BYTES and len(values) > 1:
+                older -= values.pop(0)[1].nbytes  # the value at the earlier steps is no longer known
+
+    def _cannot_enter_top_k(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
+        """Whether the value logged before the step, which the save would rank, cannot enter the top-k."""
+        if value is None or _storage(value) == self._logged[checkpoint.monitor][0]:  # type: ignore[index]
+            return False  # not logged in this batch yet: a value logged later may pair with a later step
         if checkpoint.save_top_k == -1 or len(checkpoint.best_k_models) < checkpoint.save_top_k:
-            return True
-        monitor_op = {"min": torch.lt, "max": torch.gt}[checkpoint.mode]
-        return bool(monitor_op(value, checkpoint.best_k_models[checkpoint.kth_best_model_path]))
+            return False
+        better = {"min": torch.lt, "max": torch.gt}[checkpoint.mode]
+        return not better(value, checkpoint.best_k_models[checkpoint.kth_best_model_path])
 
-    def defer_to_validation(self, trainer: "pl.Trainer") -> None:
-        """Keeps the copy for the batch-end save that ``ModelCheckpoint`` defers to the end of validation."""
-        self._deferred_value = trainer.callback_metrics.get(self._checkpoint.monitor)  # type: ignore[arg-type]
-        self._deferred_reason = self._why_live(trainer, self._deferred_value)
+    def defer_to_validation(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
+        """Keeps the state for the batch-end save that ``checkpoint`` defers to the end of validation."""
+        self._deferred[id(checkpoint)] = _storage(trainer.callback_metrics.get(checkpoint.monitor))  # type: ignore[arg-type]
 
-    def on_train_batch_end(self, trainer: "pl.Trainer") -> None:
-        """Drops what the batch held, but the copy for a save deferred to the end of validation."""
-        steps = trainer.global_step - self._start_step
-        if self._stepped or steps == 0:
-            self._steps_per_batch.add(steps)
-        self._batch_seconds, self._in_batch = time.monotonic() - self._start_time, False
-        if self._deferred_value is None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint") -> None:
+        """Drops the state once every checkpoint saved with it, or at the end of a validation that one waits for."""
+        if checkpoint is self.users[0]:
+            metrics = trainer.callback_metrics if self._logged else {}
+            for c in self.users:
+                if c.monitor in self._logged and self._may_save(c, {trainer.global_step - self._start_step}):
+                    if _storage(metrics.get(c.monitor)) != self._logged[c.monitor][0]:  # type: ignore[index]
+                        self._logged_in_training.add(id(c))
+                        self._unlogged.discard(id(c))
+                    elif id(c) not in self._logged_in_training:
+                        self._unlogged.add(id(c))
+            if not self._started:
+                self._warning_cache.warn(
+                    "`save_pre_optimizer_step_state=True` saves the live state: `ModelCheckpoint.on_train_batch_start`"
+                    " did not run (an override that does not call `super()`)."
+                )
+            steps = trainer.global_step - self._start_step
+            if self._steps or steps == 0:
+                self._steps_per_batch.add(steps)
+            self._batch_seconds = time.monotonic() - self._start_time
+        if id(checkpoint) not in self._deferred:
+            self._done(checkpoint)
+
+    def _done(self, checkpoint: "ModelCheckpoint") -> None:
+        self._pending.discard(id(checkpoint))
+        self._deferred.pop(id(checkpoint), None)
+        if not self._pending:
             self._free()
 
-    def on_validation_end(self) -> None:
-        """Drops what a save deferred to the end of validation held."""
+    def on_validation_end(self, checkpoint: "ModelCheckpoint") -> None:
+        if id(checkpoint) in self._deferred:
+            self._done(checkpoint)
+
+    def on_exception(self) -> None:
         self._free()
 
-    def _why_live(self, trainer: "pl.Trainer", value: Optional[Tensor]) -> Optional[str]:
-        """Why a save with ``value`` cannot hold the state from before the batch's first step, or ``None``."""
-        monitor, steps = self._checkpoint.monitor, trainer.global_step - self._start_step
-        if (value is None and monitor in ("epoch", "step")) or not (self._armed or self._stepped or steps):
-            return None  # the trainer's count ranks the live state; or the batch did not step, so it computed the value
-        if not self._armed:
-            if self._checkpoint._train_time_interval is not None:
-                return "the save came sooner than the batch times before predicted, so nothing was copied"
-            known = sorted(self._steps_per_batch)
-            return f"the batch took {steps} optimizer step(s) where those before took {known}, so nothing was copied"
-        if not self._logged_in_batch(value):
-            return f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, an old value)"
-        if self._stepped and (self._step_value is None or not _same(value, self._step_value)):  # type: ignore[arg-type]
-            return (
-                f"{monitor!r} was logged after the batch's first optimizer step, so the state before it may not have"
-                " computed it: log it in `training_step` before the step"
+    def on_train_end(self) -> None:
+        self._free()
+        if self._timed_live_saves:
+            rank_zero_warn(
+                f"{self._timed_live_saves} of {self._timed_saves} top-k checkpoints saved by `train_time_interval` with"
+                " `save_pre_optimizer_step_state=True` hold the live state: their batches ended past the interval"
+                " sooner than the batch before them predicted, so nothing was copied."
             )
-        if self._outside or (not self._stepped and any(p._version != v for p, v in self._versions)):
-            return (
-                "the weights changed in a step that `on_before_optimizer_step` did not see (`use_pl_optimizer=False`,"
-                " or an override of the hook that does not call `super()`)"
-            )
-        if self._stepped and self.copy is None:
-            return "the value logged before the optimizer step was not expected to enter the top-k"
-        return None
 
-    def save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
-        """Writes a top-k file: at the end of a batch with the copy, or with the live state and a warning."""
-        checkpoint = self._checkpoint
-        value = trainer.callback_metrics.get(checkpoint.monitor)  # type: ignore[arg-type]
-        # a save outside a batch, or one deferred to validation that validation's value ranks, is as without the option
-        deferred = self._deferred_value is not None and value is not None and _same(value, self._deferred_value)
-        in_batch = self._in_batch or deferred
-        reason = None if not in_batch else self._deferred_reason if deferred else self._why_live(trainer, value)
-        if in_batch and reason is None and self.copy is not None:
-            with trainer.profiler.profile("save_checkpoint"):  # as `Trainer.save_checkpoint`, with the copy in place
-                dumped = trainer._checkpoint_connector.dump_checkpoint(checkpoint.save_weights_only)
-                if (reason := _write(self.copy, dumped, trainer.lightning_module)) is not None:
-                    self._named_params = list(trainer.lightning_module.named_parameters(remove_duplicate=False))
-                trainer.strategy.save_checkpoint(dumped, filepath)
-                trainer.strategy.barrier("Trainer.save_checkpoint")
-        else:
+    def save_checkpoint(self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint", filepath: str) -> None:
+        """Writes a top-k file with the state at the step the monitored value pairs with, or the live state."""
+        in_batch = id(checkpoint) in self._pending
+        step, reason = self._pairing_step(trainer, checkpoint) if in_batch else (None, None)
+        state = None if step is None or self._filtered else self._state_at(trainer, step)
+        if step is not None and self._filtered:
+            reason = "the value logged before the step was not expected to enter the top-k, so nothing was copied"
+        elif step is not None and state is None:
+            reason = (
+                "the state at the step that followed its backward was not kept: a tensor that step changed was also"
+                " changed by an earlier step of the batch, the tensors no optimizer steps (buffers, frozen weights)"
+                " changed by more than 1 MiB between the steps, or the module has tensors it did not have then"
+            )
+        if state is None:
             trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
+        else:
+            with self._swapped(trainer, state):
+                checkpoint._saving_pre_optimizer_step = {"global_step": self._start_step + step}
+                try:
+                    trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
+                finally:
+                    checkpoint._saving_pre_optimizer_step = None
+        if checkpoint._train_time_interval is not None and in_batch:
+            self._timed_saves += 1
+            self._timed_live_saves += reason is not None and not self._copying
         if reason is not None:
             self._warning_cache.warn(
                 f"A top-k checkpoint of `ModelCheckpoint(monitor={checkpoint.monitor!r},"
                 f" save_pre_optimizer_step_state=True)` holds the live state, after the optimizer step: {reason}."
             )
 
+    def _pairing_step(
+        self, trainer: "pl.Trainer", checkpoint: "ModelCheckpoint"
+    ) -> tuple[Optional[int], Optional[str]]:
+        """The step whose state computed the monitored value; or ``None`` and why the live state is saved."""
+        monitor, value = checkpoint.monitor, trainer.callback_metrics.get(checkpoint.monitor)  # type: ignore[arg-type]
+        deferred = self._deferred.get(id(checkpoint))
+        if value is None or monitor in ("epoch", "step"):
+            return None, None  # the trainer's count ranks the live state
+        if self._steps == 0:
+            if trainer.global_step == self._start_step:
+                return None, None  # nothing stepped since the value was computed: the live state computed it
+            return None, (
+                "the batch stepped without `ModelCheckpoint.on_before_optimizer_step` running (an override that does"
+                " not call `super()`)"
+            )
+        if deferred is not None and _storage(value) != deferred:
+            return None, None  # validation logged the value anew: the live state computed it
+        start, first_step = self._logged.get(monitor, (0, 0))  # type: ignore[arg-type]
+        if monitor in self._logged and _storage(value) == start:
+            return (
+                None,
+                f"{monitor!r} was not logged during the batch (an epoch aggregate, a validation score, an old value)",
+            )
+        if checkpoint not in self._serving and id(checkpoint) in self._unlogged:
+            return (
+                None,
+                f"{monitor!r} was not logged in the training batches that could save before, so nothing was copied",
+            )
+        if not self._copying:
+            if checkpoint._train_time_interval is not None:
+                return None, "the batch ended past `train_time_interval` sooner than predicted, so nothing was copied"
+            return (
+                None,
+                f"the batch took {trainer.global_step - self._start_step} optimizer steps where those before "
+                f"took {sorted(self._steps_per_batch)}, so nothing was copied",
+            )
+        for loss, step in self._losses:
+            if torch.equal(loss.to(value), value):
+                return (step, None) if step < self._steps else (None, None)  # no step after its backward: it is live
+        if _storage(value) == first_step:
+            return 0, None
+        return None, (
+            f"{monitor!r} was logged after the batch's first optimizer step began (in `on_before_optimizer_step`,"
+            " after `optimizer.step()` or at the end of the batch) and is not a loss the batch backpropagated (a value"
+            " reduced across processes with `sync_dist=True` is not), so which state computed it is unknown"
+        )
 
-def _write(copied: dict[str, Any], checkpoint: dict[str, Any], module: "pl.LightningModule") -> Optional[str]:
-    """Puts the copy in place of the live values in ``checkpoint``, or says why it cannot."""
-    params, state_dict = copied["params"], checkpoint["state_dict"]
-    named = module.named_parameters(remove_duplicate=False)
-    if any(p.requires_grad and params.get(name, (None,))[0] is not p for name, p in named):
-        return "the module's parameters changed during the fit"
-    if any(name not in state_dict or state_dict[name].data_ptr() != p.data_ptr() for name, (p, _) in params.items()):
-        return "the checkpoint's weights are not the module's parameters (a `state_dict` or `on_save_checkpoint` hook)"
-    states = copied["states"] if "optimizer_states" in checkpoint else {}
-    if states and len(states["optimizer_states"]) != len(checkpoint["optimizer_states"]):
-        return "the number of optimizers changed"
-    state_dict.update({name: clone for name, (_, clone) in params.items()})
-    checkpoint.update(states)
-    checkpoint[PRE_OPTIMIZER_STEP_KEY] = {"global_step": copied["global_step"]}
-    return None
+    def _state_at(self, trainer: "pl.Trainer", step: int) -> Optional[tuple[list[tuple[Tensor, Tensor]], list, tuple]]:
+        """The tensors to swap in and the optimizer states to put back for the state at ``step``, if it is known."""
+        module = trainer.lightning_module
+        if any(t not in self._params and t not in self._others for t in (*module.parameters(), *module.buffers())):
+            return None  # a tensor the module did not have at the step
+        tensors, states = [], []
+        for p, (first, last, value, state, optimizer) in self._params.items():
+            if first >= step:
+                tensors.append((p, value))
+                if self._with_states:
+                    states.append((optimizer, p, state))
+            elif last >= step:
+                return None  # changed both before and at (or after) that step
+        for t, values in self._others.items():
+            known = [value for at, value in values if at <= step]
+            if not known:
+                return None
+            tensors.append((t, known[-1]))
+        return tensors, states, self._small[step]
+
+    @contextmanager
+    def _swapped(self, trainer: "pl.Trainer", state: tuple) -> Iterator[None]:
+        """The state at the step in place of the live one while the file is written; nothing is copied."""
+        tensors, states, (hyperparameters, schedulers) = state
+        live_states = [(optimizer, p, optimizer.state.get(p)) for optimizer, p, _ in states]
+        live_small = [
+            [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers
+        ]
+        live_schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        live_tensors = [(t, t.data) for t, _ in tensors]
+        try:
+            _put(tensors, states, trainer, hyperparameters, schedulers)
+            yield
+        finally:
+            _put(live_tensors, live_states, trainer, live_small, live_schedulers)
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr()
+def _put(tensors: list, states: list, trainer: "pl.Trainer", hyperparameters: list, schedulers: list) -> None:
+    for t, value in tensors:
+        t.data = value
+    for optimizer, p, state in states:
+        if state is None:
+            optimizer.state.pop(p, None)
+        else:
+            optimizer.state[p] = state
+    for optimizer, groups in zip(trainer.optimizers, hyperparameters):
+        for group, options in zip(optimizer.param_groups, groups):
+            group.update(options)
+    for config, scheduler_state in zip(trainer.lr_scheduler_configs, schedulers):
+        config.scheduler.load_state_dict(scheduler_state)
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+def _storage(value: Optional[Tensor]) -> int:
+    """Where a logged value is stored: each ``self.log`` call stores a new tensor."""
+    return 0 if value is None else value.data_ptr()
 
 
 def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[str]:
-    """Why the pre-step state cannot be written with this trainer, or ``None`` if it can."""
+    """Why the state at a step cannot be written with this trainer, or ``None`` if it can."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
     from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 
     cls = type(trainer.strategy)
-    if type(trainer).save_checkpoint is not pl.Trainer.save_checkpoint:
-        return "`Trainer.save_checkpoint` is overridden, and the file is written without it."
     if issubclass(cls, DeepSpeedStrategy) or cls.lightning_module_state_dict != Strategy.lightning_module_state_dict:
         return f"`{cls.__name__}` builds the checkpoint's weights itself (from shards)."
     if any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers):
@@ -233,5 +357,5 @@ def _unsupported_reason(trainer: "pl.Trainer", with_states: bool) -> Optional[st
         cls.optimizer_state is not Strategy.optimizer_state
         or any(hasattr(optimizer, "consolidate_state_dict") for optimizer in trainer.optimizers)
     ):
-        return "the optimizer states are sharded; with `save_weights_only=True`, the pre-step weights can be saved."
+        return "the optimizer states are sharded; with `save_weights_only=True`, the weights can be saved."
     return None

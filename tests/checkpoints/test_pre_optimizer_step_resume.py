@@ -1,18 +1,18 @@
 """`ModelCheckpoint(save_pre_optimizer_step_state=True)` (issue #20947) and resuming: the option keeps the top-k
 of a run without it, and a fit resumed from a pre-step file says what it does."""
 
-import pytest
-
-from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
-from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
+from test_pre_optimizer_step import (
     Net,
+    checkpoint,
     fit,
     load,
     messages,
     own_warning_cache,  # noqa: F401  (autouse here too)
     recorded_warnings,
 )
+
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 def test_off_by_default_and_the_option_keeps_the_state_key(tmp_path):
@@ -30,9 +30,8 @@ def test_off_by_default_and_the_option_keeps_the_state_key(tmp_path):
     assert on.best_k_models.keys() == off.best_k_models.keys()
 
 
-@pytest.mark.parametrize("enable_checkpointing", [True, False])
-def test_resuming_from_a_pre_step_file_says_what_fit_does(tmp_path, enable_checkpointing):
-    """Every `fit(ckpt_path=...)` from such a file warns once, with or without a `ModelCheckpoint` in the trainer."""
+def test_resuming_from_a_pre_step_file_says_what_fit_does(tmp_path):
+    """Every `fit(ckpt_path=...)` from such a file warns once: the `ModelCheckpoint` that loads its state says it."""
     _, (ckpt,) = fit(tmp_path, Net(), max_steps=8)
     path = ckpt.best_model_path
     saved = load(path)
@@ -43,13 +42,12 @@ def test_resuming_from_a_pre_step_file_says_what_fit_does(tmp_path, enable_check
             max_steps=10,
             logger=False,
             limit_val_batches=0,
-            enable_checkpointing=enable_checkpointing,
+            callbacks=[checkpoint(tmp_path / "resumed")],
         )
         with recorded_warnings() as caught:
             trainer.fit(Net(), ckpt_path=path)
-        (message,) = messages(caught, "holds the state from before the optimizer step")
-        assert f"at global step {saved['pre_optimizer_step']['global_step']}" in message
-        assert f"resumes at step {saved['global_step']}" in message
+        (message,) = messages(caught, "The checkpoint holds the state at an optimizer step")
+        assert f"of global step {saved['pre_optimizer_step']['global_step']}" in message
     with recorded_warnings() as caught:
         trainer.validate(Net(), ckpt_path=path)
-    assert not messages(caught, "holds the state from before the optimizer step")  # it only concerns resuming
+    assert not messages(caught, "The checkpoint holds the state at an optimizer step")  # it only concerns resuming

@@ -12,10 +12,7 @@ import sys
 
 import pytest
 import torch
-from torch import nn
-
-from lightning.pytorch import Callback, Trainer, seed_everything
-from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
+from test_pre_optimizer_step import (
     PROBE_X,
     PROBE_Y,
     Net,
@@ -23,6 +20,9 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
     load,
     score_of,
 )
+from torch import nn
+
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 pytestmark = [
     pytest.mark.timeout(240),

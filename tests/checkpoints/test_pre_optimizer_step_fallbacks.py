@@ -6,14 +6,7 @@ import types
 
 import pytest
 import torch
-from torch import nn
-
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
-from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
+from test_pre_optimizer_step import (
     PROBE_X,
     PROBE_Y,
     Net,
@@ -27,6 +20,13 @@ from tests_pytorch.checkpointing.test_checkpoint_pre_optimizer_step import (
     recorded_warnings,
     score_of,
 )
+from torch import nn
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 FALLBACK = "saves the live state, as if it were off"
 LIVE = "holds the live state, after the optimizer step"
@@ -71,56 +71,6 @@ def test_any_optimizable_works(tmp_path, weights_only):
         )
     assert_pairs(ckpt)
     assert not messages(caught, "save_pre_optimizer_step_state")
-
-
-def test_a_step_lightning_does_not_see_falls_back_with_one_warning(tmp_path):
-    """`use_pl_optimizer=False` for the optimizer that steps first: Lightning's hook only sees the second."""
-
-    class RawFirst(Net):
-        def configure_optimizers(self):
-            head, bias = self.head.weight, self.head.bias
-            return torch.optim.SGD([head], lr=0.05), torch.optim.SGD([bias], lr=0.05)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("score", nn.functional.mse_loss(self.head(PROBE_X), PROBE_Y))
-            raw = self.optimizers(use_pl_optimizer=False)[0]
-            wrapped = self.optimizers()[1]
-            raw.zero_grad()
-            wrapped.zero_grad()
-            self.manual_backward(nn.functional.mse_loss(self.head(x), y))
-            raw.step()
-            wrapped.step()
-
-    with recorded_warnings() as caught:
-        _, (ckpt,) = fit(tmp_path, RawFirst(manual=True))
-    (warning,) = messages(caught, "save_pre_optimizer_step_state")
-    assert warning.endswith(
-        "the weights changed in a step that `on_before_optimizer_step` did not see (`use_pl_optimizer=False`, or an"
-        " override of the hook that does not call `super()`)."
-    )
-    assert_live(ckpt)
-
-
-def test_a_raw_step_before_lightnings_first_step_falls_back(tmp_path):
-    """Another optimizer that Lightning does not wrap steps first: the state the batch started with is gone."""
-
-    class RawThenWrapped(Net):
-        def configure_optimizers(self):
-            self.raw = torch.optim.SGD(self.parameters(), lr=0.01)
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            self.raw.zero_grad()
-            nn.functional.mse_loss(self.head(x), y).backward()
-            self.raw.step()
-            return super().training_step(batch, batch_idx)
-
-    with recorded_warnings() as caught:
-        _, (ckpt,) = fit(tmp_path, RawThenWrapped(manual=True))
-    assert len(messages(caught, "the weights changed in a step that `on_before_optimizer_step` did not see")) == 1
-    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
 
 
 def test_gradient_accumulation_pairs_with_the_state_before_the_stepping_batch(tmp_path):
@@ -200,18 +150,19 @@ def test_what_the_rule_cannot_serve_falls_back_with_one_warning(tmp_path, kwargs
 
 
 def test_a_layer_swapped_during_the_fit_falls_back_once(tmp_path):
-    """The save right after the swap holds the live state, with one warning; the later ones pair again."""
+    """A layer replaced between the step and the save: that file holds the live state, with one warning; the later
+    ones pair again."""
 
     class Swap(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 7:  # after this batch's step, before the checkpoint's save at step 8
+            if trainer.global_step == 8:  # after this batch's step, before the checkpoint's save at its end
                 pl_module.head = nn.Linear(4, 1)
                 trainer.strategy.setup_optimizers(trainer)
 
-    ckpt = checkpoint(tmp_path, save_top_k=-1, save_weights_only=True)
+    ckpt = checkpoint(tmp_path, save_top_k=-1)
     with recorded_warnings() as caught:
         fit(tmp_path, Net(manual=False), callbacks=[Swap()], checkpoints=[ckpt])
-    assert len(messages(caught, "the module's parameters changed during the fit")) == 1
+    assert len(messages(caught, "the module has tensors it did not have then")) == 1
     marked = {load(path)["global_step"]: "pre_optimizer_step" in load(path) for path in ckpt.best_k_models}
     assert marked == {2: True, 4: True, 6: True, 8: False, 10: True, 12: True, 14: True, 16: True}
     for path, score in ckpt.best_k_models.items():
@@ -219,11 +170,16 @@ def test_a_layer_swapped_during_the_fit_falls_back_once(tmp_path):
             torch.testing.assert_close(score_of(load(path)["state_dict"]), score.float(), rtol=0, atol=0)
 
 
-def test_a_state_dict_that_does_not_name_the_parameters_falls_back(tmp_path):
+def test_a_state_dict_that_renames_the_parameters_holds_the_state_at_the_step(tmp_path):
+    """The file is written by `Trainer.save_checkpoint` with the state at the step in place: hooks see that state."""
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, StateDictWithPrefix(manual=False))
-    assert len(messages(caught, "the checkpoint's weights are not the module's parameters")) == 1
-    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+    assert not messages(caught, "save_pre_optimizer_step_state")
+    for path, score in ckpt.best_k_models.items():
+        saved = load(path)
+        state_dict = {k.removeprefix("renamed."): v for k, v in saved["state_dict"].items()}
+        torch.testing.assert_close(score_of(state_dict), score.float(), rtol=0, atol=0)
+        assert "pre_optimizer_step" in saved
 
 
 class BoomError(Exception):
@@ -316,23 +272,6 @@ def test_the_option_without_a_top_k_save_at_batch_end_is_an_error(kwargs):
         ModelCheckpoint(save_pre_optimizer_step_state=True, **kwargs)
 
 
-def test_an_option_value_that_is_not_a_bool_is_an_error():
-    with pytest.raises(MisconfigurationException, match="`save_pre_optimizer_step_state` must be a bool, got 'no'"):
-        ModelCheckpoint(monitor="score", every_n_train_steps=2, save_pre_optimizer_step_state="no")
-
-
-def test_the_saved_models_notice_names_the_option(tmp_path):
-    class Workaround(Net):
-        def training_step(self, batch, batch_idx):
-            self.saved_models = {}
-            return super().training_step(batch, batch_idx)
-
-    with recorded_warnings() as caught:
-        fit(tmp_path, Workaround(manual=True), checkpoints=[ModelCheckpoint(tmp_path, every_n_train_steps=2)])
-    (notice,) = messages(caught, "no longer reads the `saved_models` attribute")
-    assert "`ModelCheckpoint(save_pre_optimizer_step_state=True)`" in notice
-
-
 def test_without_the_option_files_hold_the_live_weights(tmp_path):
     ckpt = ModelCheckpoint(tmp_path, monitor="score", every_n_train_steps=2, save_top_k=3)
     _, _ = fit(tmp_path, Net(manual=True), checkpoints=[ckpt])
@@ -340,9 +279,9 @@ def test_without_the_option_files_hold_the_live_weights(tmp_path):
     assert_live(ckpt)
 
 
-def test_a_score_logged_between_two_steps_holds_the_live_state_with_one_warning(tmp_path):
-    """Lightning's GAN example steps the generator first, then logs the discriminator's loss, computed on samples of
-    the stepped generator, before the discriminator's step: no state of the batch computed it, so no file is marked."""
+def test_a_loss_computed_between_two_steps_pairs_with_the_state_at_its_own_step(tmp_path):
+    """A GAN that steps the generator first, then computes the discriminator's loss on samples of the stepped generator
+    and backpropagates it: the file holds the stepped generator and the discriminator from before its own step."""
 
     class GeneratorFirst(Net):
         def __init__(self):
@@ -366,10 +305,15 @@ def test_a_score_logged_between_two_steps_holds_the_live_state_with_one_warning(
 
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, GeneratorFirst(), checkpoints=[checkpoint(tmp_path, every_n_train_steps=4)])
-    (warning,) = messages(caught, "save_pre_optimizer_step_state")
-    assert "'score' was logged after the batch's first optimizer step" in warning
+    assert not messages(caught, "save_pre_optimizer_step_state")
     assert ckpt.best_k_models
-    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+    for path, score in ckpt.best_k_models.items():
+        saved = load(path)
+        sd = saved["state_dict"]
+        generated = PROBE_X @ sd["gen.weight"].T + sd["gen.bias"]
+        d_loss = nn.functional.mse_loss(generated @ sd["head.weight"].T + sd["head.bias"], PROBE_Y)
+        torch.testing.assert_close(d_loss, score.float(), rtol=0, atol=0)
+        assert saved["pre_optimizer_step"]["global_step"] % 2 == 1  # the discriminator's step, the batch's second
 
 
 def test_a_checkpoint_ranked_by_the_step_keeps_the_live_state_without_a_warning(tmp_path):
@@ -401,14 +345,14 @@ def test_a_subclass_that_skips_super_in_a_hook_never_gets_a_wrong_pair(tmp_path,
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
     expected = {
         "on_train_batch_start": "`ModelCheckpoint.on_train_batch_start` did not run",
-        "on_before_optimizer_step": "`on_before_optimizer_step` did not see",
+        "on_before_optimizer_step": "the batch stepped without `ModelCheckpoint.on_before_optimizer_step` running",
     }[hook]
     (warning,) = messages(caught, "save_pre_optimizer_step_state")
     assert expected in warning
 
 
-def test_an_override_of_trainer_save_checkpoint_falls_back_with_one_warning(tmp_path):
-    """The pre-step file is written without `Trainer.save_checkpoint`, so an override of it would be skipped."""
+def test_an_override_of_trainer_save_checkpoint_writes_every_file(tmp_path):
+    """Every file, with the state at the step or not, is written by `Trainer.save_checkpoint`."""
     written = []
 
     class UploadingTrainer(Trainer):
@@ -427,10 +371,9 @@ def test_an_override_of_trainer_save_checkpoint_falls_back_with_one_warning(tmp_
     )
     with recorded_warnings() as caught:
         trainer.fit(Net(manual=False))
-    (warning,) = messages(caught, FALLBACK)
-    assert "`Trainer.save_checkpoint` is overridden" in warning
+    assert not messages(caught, "save_pre_optimizer_step_state")
     assert set(ckpt.best_k_models) <= set(written)
-    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+    assert_pairs(ckpt)
 
 
 class ZeroWeightsOnSave(Callback):
@@ -440,15 +383,12 @@ class ZeroWeightsOnSave(Callback):
         checkpoint["state_dict"] = {name: torch.zeros_like(value) for name, value in checkpoint["state_dict"].items()}
 
 
-def test_weights_an_on_save_checkpoint_hook_wrote_are_kept_with_one_warning(tmp_path):
+def test_weights_an_on_save_checkpoint_hook_wrote_are_kept(tmp_path):
     with recorded_warnings() as caught:
         _, (ckpt,) = fit(tmp_path, Net(manual=False), callbacks=[ZeroWeightsOnSave()])
-    (warning,) = messages(caught, "save_pre_optimizer_step_state")
-    assert "the checkpoint's weights are not the module's parameters (a `state_dict` or `on_save_checkpoint`" in warning
+    assert not messages(caught, "save_pre_optimizer_step_state")
     for path in ckpt.best_k_models:
-        saved = load(path)
-        assert "pre_optimizer_step" not in saved
-        assert all(not value.any() for value in saved["state_dict"].values())
+        assert all(not value.any() for value in load(path)["state_dict"].values())
 
 
 @pytest.mark.parametrize("hook", ["on_train_batch_end", "on_train_epoch_end"])
