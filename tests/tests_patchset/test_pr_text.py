@@ -56,6 +56,9 @@ def test_every_item_of_the_template_gets_an_answer(patch):
     if not breaking_changes(patch):
         assert "No breaking changes." in text.splitlines()
     assert "- [ ] Is this pull request ready for review?" in text  # the reviewers' checklist is theirs
+    test_files = {s.path for s in patch.sections if s.path.startswith("tests/")}
+    if test_files and all(path.endswith("/conftest.py") for path in test_files):  # test tooling is not a new test
+        assert "No new tests: the change is to the test tooling" in text
 
 
 def test_the_benchmark_line_links_the_pages_the_patch_names_in_the_fork():

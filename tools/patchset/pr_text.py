@@ -101,8 +101,12 @@ def answers(project: Path, patch: Patch) -> list[tuple[str, Answer]]:
     """Each *Before submitting* item's answer, by a word of the item's text."""
     files = sorted({*(s.path for s in patch.sections), *(f for f in overlay_files(project) if patch.owns(f))})
     docs = [f"`{f}`" for f in files if f.startswith("docs/") or f.endswith(".rst")] + patch.trailers.get("Docs", [])
-    tests = [f"`{f}`" for f in files if f.startswith("tests/")]
+    tests = [f"`{f}`" for f in files if f.startswith("tests/") and not f.endswith("/conftest.py")]
+    tooling = [f"`{f}`" for f in files if f.startswith("tests/") and f.endswith("/conftest.py")]
     entries = [f"`{e.package}` {e.section}: {e.text}" for e in patch.changelog]
+    no_tests = "No test changes in this PR."
+    if tooling:
+        no_tests = f"No new tests: the change is to the test tooling ({', '.join(tooling)}), checked as described."
     one = f"Yes: one patch of the series ({patch.subject})"
     if depends := patch.field("Depends-On"):
         one += f"; it stacks on the PR of {depends.removesuffix('.patch')}, which goes first"
@@ -114,7 +118,7 @@ def answers(project: Path, patch: Patch) -> list[tuple[str, Answer]]:
         ("update the documentation", Answer(bool(docs), f"Yes: {'; '.join(docs)}." if docs else "No docs change.")),
         (
             "new necessary tests",
-            Answer(bool(tests), f"Yes: {', '.join(tests)}." if tests else "No test changes in this PR."),
+            Answer(bool(tests), f"Yes: {', '.join(tests)}." if tests else no_tests),
         ),
         ("existing tests pass", tests_answer(project, patch)),
         ("breaking changes", Answer(True, breaking)),
