@@ -7,6 +7,7 @@ The pull request's tests are the ones it adds to upstream's own test files, whic
 
 """
 
+import gc
 import json
 import os
 import socket
@@ -147,3 +148,19 @@ def test_a_process_forked_while_the_port_is_held_does_not_keep_it(env):
         for fd in (*started, *done):
             os.close(fd)
         del loader
+
+
+@RunIf(linux_only=True)
+def test_an_environment_nothing_released_frees_the_port_when_collected(monkeypatch):
+    """DeepSpeed starts its process group itself: the port is closed with the environment, without a ResourceWarning."""
+    for name in ("MASTER_PORT", "STANDALONE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    env = LightningEnvironment()
+    port = env.main_port
+    assert not can_bind(port)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del env
+        gc.collect()
+    assert can_bind(port)
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
