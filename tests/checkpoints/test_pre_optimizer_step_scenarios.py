@@ -122,22 +122,23 @@ class WithBatchNorm(Recorded):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-        self.running_mean_at_step = {}
+        self.running_mean_at_start = {}
 
     def training_step(self, batch, batch_idx):
         loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
         self.log("loss", loss)
         return loss
 
-    def on_before_optimizer_step(self, optimizer):
-        self.running_mean_at_step[self.global_step] = self.net[1].running_mean.clone()
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        self.running_mean_at_start[self.global_step] = self.net[1].running_mean.clone()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def test_batchnorm_buffers_are_saved_as_at_the_step(tmp_path):
-    """The running statistics are those the batch's forward left at the step; the loss in train mode pairs."""
+def test_batchnorm_buffers_are_saved_as_the_forward_found_them(tmp_path):
+    """The running statistics are those the batch's forward started from, which it then updated: the loss pairs."""
     model = WithBatchNorm()
     _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
 
@@ -150,7 +151,7 @@ def test_batchnorm_buffers_are_saved_as_at_the_step(tmp_path):
     assert_pairs(ckpt, rescore)
     for path in ckpt.best_k_models:
         saved = load(path)
-        expected = model.running_mean_at_step[saved["global_step"] - 1]
+        expected = model.running_mean_at_start[saved["global_step"] - 1]
         torch.testing.assert_close(saved["state_dict"]["net.1.running_mean"], expected, rtol=0, atol=0)
 
 
@@ -380,3 +381,55 @@ def test_an_exception_drops_the_copy(tmp_path):
     assert ckpt._pre_optimizer_step is None
     assert not raising.holder._params
     assert not raising.holder._others
+
+
+class Probed(WithBatchNorm):
+    """Scores in eval mode before the training forward, which then updates the running statistics."""
+
+    def __init__(self, spectral=False):
+        super().__init__()
+        if spectral:
+            self.net[0] = nn.utils.parametrizations.spectral_norm(self.net[0])
+
+    def probe(self, batch):
+        self.eval()
+        score = nn.functional.mse_loss(self.net(batch[0]), batch[1]).detach()
+        self.train()
+        return score
+
+    def training_step(self, batch, batch_idx):
+        self.log("probe", self.probe(batch))
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("spectral", [False, True])
+def test_a_score_from_the_buffers_the_forward_updates_pairs(tmp_path, spectral):
+    """An eval-mode probe before the forward reads the running statistics the forward then updates; spectral norm's
+    forward runs a power iteration on its vectors before computing the loss. Both pair with the batch start's."""
+    model = Probed(spectral)
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path, monitor="probe")])
+    assert not messages(caught, "save_pre_optimizer_step_state")
+
+    def rescore(saved):
+        fresh = Probed(spectral)
+        fresh.load_state_dict(saved["state_dict"])
+        return fresh.probe(model.batches[saved["global_step"] - 1])
+
+    assert_pairs(ckpt, rescore, key="probe")
+
+
+def test_a_train_mode_loss_through_spectral_norm_pairs(tmp_path):
+    """The forward's power iteration starts from the vectors the file holds, so re-running it gives the loss."""
+    model = Probed(spectral=True)
+    _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
+
+    def rescore(saved):
+        fresh = Probed(spectral=True)
+        fresh.load_state_dict(saved["state_dict"])
+        x, y = model.batches[saved["global_step"] - 1]
+        return nn.functional.mse_loss(fresh.net(x), y).detach()
+
+    assert_pairs(ckpt, rescore)

@@ -28,8 +28,8 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 
-#: Older values of the tensors that no optimizer steps (buffers, frozen weights) are kept up to this many bytes.
-_OLDER_VALUES_BYTES = 1 << 20
+#: Further values of the tensors that no optimizer steps (buffers, frozen weights) are kept up to this many bytes.
+_MORE_VALUES_BYTES = 1 << 20
 
 
 class _PreOptimizerStepState:
@@ -37,7 +37,8 @@ class _PreOptimizerStepState:
 
     One instance per fit, owned by the first such ``ModelCheckpoint`` and shared with the others, holds at most one
     copy of the state: each parameter and its optimizer state as before its first update in the batch, and the other
-    tensors of the module as at the batch's first step (and as at later steps, while those fit in 1 MiB).
+    tensors of the module: buffers as at the batch start, which the forward then updates (BatchNorm's statistics,
+    spectral norm's vectors), other weights as at the first step (and either as at later steps, within 1 MiB more).
     """
 
     def __init__(self, trainer: "pl.Trainer", users: list["ModelCheckpoint"]) -> None:
@@ -61,7 +62,9 @@ class _PreOptimizerStepState:
         self._logged: dict[str, tuple[int, int]] = {}  # a monitor's storage at the batch start and at its first step
         self._serving: list[ModelCheckpoint] = []  # the checkpoints that may save with this batch's copy
         self._params: dict[Tensor, tuple[int, int, Tensor, Optional[dict], torch.optim.Optimizer]] = {}
-        self._others: dict[Tensor, list[tuple[int, Tensor]]] = {}  # tensors no optimizer steps: (step, value) each
+        # tensors no optimizer steps: (step, value) from the step on (-1: the batch start), None where not kept
+        self._others: dict[Tensor, list[tuple[int, Optional[Tensor]]]] = {}
+        self._more_bytes = 0
         self._small: list[tuple[list[list[dict]], list[dict]]] = []  # per step: param group options, scheduler states
         self._pending: set[int] = set()  # the checkpoints that may still save with this batch's state
         self._deferred: dict[int, int] = {}  # a checkpoint whose save waits for validation: the monitor's storage
@@ -88,6 +91,8 @@ class _PreOptimizerStepState:
         # a checkpoint whose monitor the training batches do not log (a validation score) cannot use a copy
         self._serving = [c for c in may_save if id(c) not in self._unlogged]
         self._copying = bool(self._serving)
+        if self._copying:  # before the forward, which updates them
+            self._record_others(list(trainer.lightning_module.buffers()), -1)
 
     def _may_save(self, checkpoint: "ModelCheckpoint", steps: set[int]) -> bool:
         """Whether ``checkpoint`` may save at the end of the batch, if it takes as many steps as those before."""
@@ -133,16 +138,17 @@ class _PreOptimizerStepState:
         self._small.append(copy.deepcopy((hyperparameters, schedulers)))
 
     def _record_others(self, tensors: list[Tensor], step: int) -> None:
-        """The buffers and weights no optimizer steps, as at this step: each value it differs from the last kept."""
-        older = sum(v.nbytes for values in self._others.values() for _, v in values[:-1])
-        for t in tensors:
-            values = self._others.setdefault(t, [])
-            if values and torch.equal(values[-1][1], t):
-                continue
-            values.append((step, t.detach().clone()))
-            older += values[-2][1].nbytes if len(values) > 1 else 0
-            while older > _OLDER_VALUES_BYTES and len(values) > 1:
-                older -= values.pop(0)[1].nbytes  # the value at the earlier steps is no longer known
+        """The buffers and weights no optimizer steps, as at ``step``: each value that differs from the last kept."""
+        with torch.no_grad():
+            for t in tensors:
+                values = self._others.setdefault(t, [])
+                if values and (values[-1][1] is None or torch.equal(values[-1][1], t)):
+                    continue  # unchanged, or no longer known
+                if values and self._more_bytes + t.nbytes > _MORE_VALUES_BYTES:
+                    values.append((step, None))  # from this step on, its value is not known
+                    continue
+                self._more_bytes += t.nbytes if values else 0
+                values.append((step, t.detach().clone()))
 
     def _cannot_enter_top_k(self, checkpoint: "ModelCheckpoint", value: Optional[Tensor]) -> bool:
         """Whether the value logged before the step, which the save would rank, cannot enter the top-k."""
@@ -213,7 +219,8 @@ class _PreOptimizerStepState:
             reason = (
                 "the state at the step that followed its backward was not kept: a tensor that step changed was also"
                 " changed by an earlier step of the batch, the tensors no optimizer steps (buffers, frozen weights)"
-                " changed by more than 1 MiB between the steps, or the module has tensors it did not have then"
+                " changed by more than 1 MiB between the steps, or the module's state dict has tensors that are not"
+                " the parameters and buffers it had then"
             )
         if state is None:
             trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
@@ -283,8 +290,10 @@ class _PreOptimizerStepState:
     def _state_at(self, trainer: "pl.Trainer", step: int) -> Optional[tuple[list[tuple[Tensor, Tensor]], list, tuple]]:
         """The tensors to swap in and the optimizer states to put back for the state at ``step``, if it is known."""
         module = trainer.lightning_module
-        if any(t not in self._params and t not in self._others for t in (*module.parameters(), *module.buffers())):
-            return None  # a tensor the module did not have at the step
+        tensors_saved = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
+        if any(t not in self._params and t not in self._others for t in tensors_saved):
+            return None  # a tensor that is not one the module had at the step (a layer swapped in, an extra state)
+        buffers = set(module.buffers())
         tensors, states = [], []
         for p, (first, last, value, state, optimizer) in self._params.items():
             if first >= step:
@@ -294,8 +303,9 @@ class _PreOptimizerStepState:
             elif last >= step:
                 return None  # changed both before and at (or after) that step
         for t, values in self._others.items():
-            known = [value for at, value in values if at <= step]
-            if not known:
+            # a buffer as before the forwards that led to the step: those the forward updates computed the value
+            known = [value for at, value in values if at <= (step - 1 if t in buffers else step)]
+            if not known or known[-1] is None:
                 return None
             tensors.append((t, known[-1]))
         return tensors, states, self._small[step]
