@@ -61,6 +61,17 @@ def assert_pairs(ckpt, rescore, key="loss"):
         torch.testing.assert_close(rescore(saved), score.float(), rtol=0, atol=0, msg=path)
 
 
+def rescore_loss(model, make=None):
+    """Scores a file as its batch scored it: ``loss_of`` of a fresh module with the file's state, on that batch."""
+
+    def rescore(saved):
+        fresh = make() if make else type(model)()
+        fresh.load_state_dict(saved["state_dict"])
+        return fresh.loss_of(*model.batches[saved["global_step"] - 1]).detach()
+
+    return rescore
+
+
 class MeanTeacher(Recorded):
     """A student trained against a frozen teacher, which an EMA moves towards the student after each step."""
 
@@ -110,12 +121,7 @@ def test_a_mean_teacher_updated_after_the_step_is_saved_as_it_was_at_the_step(tm
         _, (ckpt,) = fit(tmp_path, model, callbacks=callbacks, checkpoints=[checkpoint(tmp_path)])
     assert not messages(caught, "save_pre_optimizer_step_state")
 
-    def rescore(saved):
-        fresh = MeanTeacher()
-        fresh.load_state_dict(saved["state_dict"])
-        return fresh.loss_of(*model.batches[saved["global_step"] - 1]).detach()
-
-    assert_pairs(ckpt, rescore)
+    assert_pairs(ckpt, rescore_loss(model))
 
 
 class WithBatchNorm(Recorded):
@@ -124,8 +130,11 @@ class WithBatchNorm(Recorded):
         self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
         self.running_mean_at_start = {}
 
+    def loss_of(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
     def training_step(self, batch, batch_idx):
-        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        loss = self.loss_of(*batch)
         self.log("loss", loss)
         return loss
 
@@ -142,13 +151,7 @@ def test_batchnorm_buffers_are_saved_as_the_forward_found_them(tmp_path):
     model = WithBatchNorm()
     _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
 
-    def rescore(saved):
-        fresh = WithBatchNorm()
-        fresh.load_state_dict(saved["state_dict"])
-        x, y = model.batches[saved["global_step"] - 1]
-        return nn.functional.mse_loss(fresh.net(x), y).detach()
-
-    assert_pairs(ckpt, rescore)
+    assert_pairs(ckpt, rescore_loss(model))
     for path in ckpt.best_k_models:
         saved = load(path)
         expected = model.running_mean_at_start[saved["global_step"] - 1]
@@ -163,9 +166,12 @@ class LogAfterStep(Recorded):
         self.automatic_optimization = False
         self.head = nn.Linear(4, 1)
 
+    def loss_of(self, x, y):
+        return nn.functional.mse_loss(self.head(x), y)
+
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
-        loss = nn.functional.mse_loss(self.head(batch[0]), batch[1])
+        loss = self.loss_of(*batch)
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
@@ -181,13 +187,7 @@ def test_a_loss_logged_after_the_step_pairs_with_the_state_at_the_step(tmp_path)
         _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
     assert not messages(caught, "save_pre_optimizer_step_state")
 
-    def rescore(saved):
-        fresh = LogAfterStep()
-        fresh.load_state_dict(saved["state_dict"])
-        x, y = model.batches[saved["global_step"] - 1]
-        return nn.functional.mse_loss(fresh.head(x), y).detach()
-
-    assert_pairs(ckpt, rescore)
+    assert_pairs(ckpt, rescore_loss(model))
 
 
 class Gan(Recorded):
@@ -426,10 +426,4 @@ def test_a_train_mode_loss_through_spectral_norm_pairs(tmp_path):
     model = Probed(spectral=True)
     _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
 
-    def rescore(saved):
-        fresh = Probed(spectral=True)
-        fresh.load_state_dict(saved["state_dict"])
-        x, y = model.batches[saved["global_step"] - 1]
-        return nn.functional.mse_loss(fresh.net(x), y).detach()
-
-    assert_pairs(ckpt, rescore)
+    assert_pairs(ckpt, rescore_loss(model, lambda: Probed(spectral=True)))
