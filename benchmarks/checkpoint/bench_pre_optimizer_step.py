@@ -1,40 +1,44 @@
-"""What ``ModelCheckpoint(save_pre_optimizer_step_state=True)`` costs (issue #20947), against stock behaviour.
+"""What ``ModelCheckpoint(save_pre_optimizer_step_state=True)`` costs, against the option off, in one run.
 
-The model is a 95%-frozen fine-tuning setup: a frozen backbone, a trainable head holding 5% of the parameters, and an
-AdamW optimizer given all parameters (the common pattern; the frozen ones never get a gradient). Its training loss is
-noisy and decreasing. Each ``ModelCheckpoint`` with the option copies for itself (there is no copy shared between
-checkpoints), at the batch's first optimizer step, and only if its monitored value was logged in the batch before that
-step and can enter its top-k; a score logged after ``optimizer.step()`` gets the live state and a warning, and takes
-no copy. Printed, in one run:
+The main model is FULLY TRAINABLE under Adam with the default ``save_weights_only=False``: an MLP of ``--layers``
+``Linear(--width, --width)`` + Tanh blocks and a ``Linear(--width, --width)`` head (13.6M parameters by default). The
+second column is the same model with the blocks frozen and Adam given only the head. The training loss, logged in
+``training_step`` (automatic optimization), is noisy and decreasing. Printed, as one markdown table:
 
-1. memory: the peak bytes the copies hold at once, with one checkpoint and with two, against the trainable parameters
-   and their optimizer states;
-2. copies vs saves entering the top-k, per 1,000 steps (``every_n_train_steps=1``, ``save_top_k=3``), under automatic
-   optimization and under manual optimization with the score logged before and after ``optimizer.step()`` (after it,
-   about none should be taken); and the same with ``every_n_train_steps=10``;
-3. step time with ``every_n_train_steps=10``, option on and off, in alternating blocks within this one process, so
-   that the 10-18% throughput noise between processes does not swamp a small effect, counted as this thread's CPU
-   time, which other jobs on the machine do not add to; then the CPU time spent in the capture's own code (its hooks,
-   the copy, writing it into the checkpoint; not the save itself, which stock does too);
-4. with ``--stock-python`` (an interpreter with the released ``lightning==2.6.6``): the same blocks there, stock and
-   with the ``saved_models`` workaround that 2.6 documented (clone the weights in every batch). These run in another
-   process, so compare them with care.
+1. bytes per copy: what ``_PreOptimizerStepState._params`` and ``._others`` hold at a top-k save, against the
+   parameter bytes; the same with ``save_weights_only=True`` (the only checkpoint, and one of two); their peak with
+   1, 2 and 3 checkpoints with the option (saving every 10, 5 and 2 steps: all three after each 10th);
+2. peak RSS (``VmHWM``; ``ru_maxrss`` keeps the parent's peak over fork and exec) of a fit, option off and on, with
+   1, 2 and 3 checkpoints, each in a fresh subprocess of this interpreter;
+3. the wall time of the ``on_before_optimizer_step`` calls that copy, against plain copies of the same bytes in this
+   process: one flat ``clone()``, ``dst.copy_(src)`` into a preallocated buffer, ``clone()`` of each tensor copied;
+4. fit time, option off and on (``every_n_train_steps=10``, ``save_top_k=3``, files in /dev/shm), alternating fits
+   in this process (median of ``--reps``); the copy as a share of a batch and of the fit;
+5. batches in which ``_params`` became non-empty against batches that ended on a top-k save.
 
-Usage (a few minutes on 2 CPU cores)::
+Torch runs with ``--threads`` threads (1 by default: another job on the machine disturbs it less).
 
-    python benchmarks/checkpoint/bench_pre_optimizer_step.py [--stock-python /path/to/venv/bin/python]
+Usage (about 7 minutes on 2 loaded CPU cores)::
+
+    python benchmarks/checkpoint/bench_pre_optimizer_step.py [--width 1024 --layers 12 --batch 64 --steps 100 --reps 3]
 
 """
 
 import argparse
+import gc
+import hashlib
 import json
+import logging
 import os
+import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,313 +48,321 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks._pre_optimizer_step import _PreOptimizerStepState as State
 
-HIDDEN, LAYERS, OUT, BATCH = 512, 6, 162, 32  # backbone 1.58M parameters, head 83.1k (5.0%)
-STEP_SECONDS = 3.5e-3  # a step of this model on a quiet machine, what the time target is a share of
+MB = 1e6
 
 
-class FineTune(LightningModule):
-    def __init__(self, manual: bool, workaround: bool = False, log_after_step: bool = False) -> None:
+class Net(LightningModule):
+    def __init__(self, width: int, layers: int, batch: int, frozen: bool) -> None:
         super().__init__()
-        self.automatic_optimization = not manual
-        self.workaround = workaround
-        self.log_after_step = log_after_step
-        self.backbone = nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(LAYERS)])
-        self.backbone.requires_grad_(False)
-        self.head = nn.Linear(HIDDEN, OUT)
+        self.width, self.batch = width, batch
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+        self.head = nn.Linear(width, width)
+        if frozen:
+            self.body.requires_grad_(False)
 
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.mse_loss(self.head(self.backbone(x)), y)
-        if not self.log_after_step:
-            self.log("train_loss", loss)
-        if self.automatic_optimization:
-            return loss
-        if self.workaround:  # what Lightning 2.6 documented: clone the weights before every step, keep 10
-            if not hasattr(self, "saved_models"):
-                self.saved_models = {}
-            self.saved_models[batch_idx] = {k: v.detach().clone() for k, v in self.state_dict().items()}
-            self.saved_models.pop(batch_idx - 10, None)
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
-        if self.log_after_step:
-            self.log("train_loss", loss.detach())
-        return None
+        loss = nn.functional.mse_loss(self.head(self.body(x)), y)
+        self.log("train_loss", loss)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(BATCH * 50, HIDDEN, generator=g)
-        target = nn.Linear(HIDDEN, OUT)
-        with torch.no_grad():
-            y = target(x) + 0.5 * torch.randn(len(x), OUT, generator=g)
-        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, generator=g)
+        x = torch.randn(self.batch * 32, self.width, generator=g)
+        w = torch.randn(self.width, self.width, generator=g) / self.width**0.5
+        y = torch.tanh(x @ w) + 0.3 * torch.randn(len(x), self.width, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch, shuffle=True, generator=g)
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a nested structure of dicts and lists."""
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+def held(state: State) -> int:
+    """Bytes of the copy: the parameters' clones and cloned optimizer states, and the other tensors' values."""
+    params = sum(
+        clone.nbytes + sum(v.nbytes for v in (opt_state or {}).values() if isinstance(v, torch.Tensor))
+        for _, _, clone, opt_state, _ in state._params.values()
+    )
+    return params + sum(v.nbytes for values in state._others.values() for _, v in values if v is not None)
 
 
-class Meter(Callback):
-    """Listed before the checkpoints (Lightning runs them last): sees at each batch end the copies they took before
-    they save, and whether the first one's save enters its top-k (stock's decision, `check_monitor_top_k`)."""
-
-    def __init__(self, ckpts: list[ModelCheckpoint]) -> None:
-        self.ckpts = ckpts
-        self.peak_bytes = 0  # of the copies held at once, by all the checkpoints
-        self.copies = 0  # batches in which the first checkpoint took a copy
-        self.entering = 0  # saves of the first checkpoint whose score enters its top-k
-
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        ckpt = self.ckpts[0]
-        value = trainer.callback_metrics.get(ckpt.monitor or "")
-        if trainer.global_step % ckpt._every_n_train_steps == 0 and ckpt.check_monitor_top_k(trainer, value):
-            self.entering += 1
-        states = [c._pre_optimizer_step for c in self.ckpts]
-        copies = [state.copy for state in states if state is not None and state.copy is not None]
-        if states[0] is not None and states[0].copy is not None:
-            self.copies += 1
-        # each copy holds (live parameter, its clone) pairs, the global step and the cloned optimizer states
-        held = sum(sum(clone.nbytes for _, clone in c["params"].values()) + tensor_bytes(c["states"]) for c in copies)
-        self.peak_bytes = max(self.peak_bytes, held)
-
-
-class StepClock(Callback):
-    """Time (wall, or CPU with `clock=time.thread_time`) from one batch start to the next: everything a batch costs."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.times: list[float] = []
-        self._last: float | None = None
-        self._clock = clock
-
-    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
-        now = self._clock()
-        if self._last is not None:
-            self.times.append(now - self._last)
-        self._last = now
-
-
-def fit(
-    model: LightningModule, steps: int, ckpt_kwargs: dict[str, Any], extra: tuple | list = (), n_checkpoints: int = 1
-) -> list[Callback]:
-    warnings.filterwarnings("ignore")
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
-        ckpts = [
-            # the second saves half as often (a different `state_key`), into its own directory
-            ModelCheckpoint(
-                dirpath=os.path.join(tmp, str(i)),
-                monitor="train_loss",
-                **{
-                    **ckpt_kwargs,
-                    "every_n_train_steps": ckpt_kwargs["every_n_train_steps"] * (i + 1),
-                },
-            )
-            for i in range(n_checkpoints)
-        ]
-        callbacks = [cb(ckpts) if isinstance(cb, type) else cb for cb in extra]
-        trainer = Trainer(
-            max_steps=steps,
-            callbacks=[*callbacks, *ckpts],
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=True,
-            limit_val_batches=0,
-        )
-        trainer.fit(model)
-    return callbacks
-
-
-class OwnTime:
-    """Accounts the CPU time of this thread spent in the capture's own code: the hooks of `_PreOptimizerStepState`,
-    the copy and writing it into the checkpoint, but not the save itself, which stock runs too: inside the capture's
-    `save_checkpoint`, the outermost of `Trainer.save_checkpoint` (a file with the live state),
-    `_CheckpointConnector.dump_checkpoint` and `Strategy.save_checkpoint` (a file with the copy) is subtracted. CPU
-    time, as the blocks: a wall clock would count the times other processes preempt these spans. `time.thread_time`
-    costs about 0.7 us a call on a VM, a few us a step over the spans, so what a span of an empty function measures
-    is taken off each span."""
+class Probe:
+    """Wraps methods of the shared `_PreOptimizerStepState` (one per fit) to time and count what it does."""
 
     def __init__(self) -> None:
-        from lightning.pytorch.callbacks import _pre_optimizer_step as module
-        from lightning.pytorch.strategies import Strategy  # `SingleDeviceStrategy` does not override `save_checkpoint`
-        from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+        self.reset()
+        save, swapped = State.save_checkpoint, State._swapped
+        for name in ("on_train_batch_start", "on_before_backward", "on_train_batch_end"):  # the other hooks
+            setattr(State, name, self._timed(getattr(State, name)))
+        State.on_before_optimizer_step = self._timed(self._copy_probe(State.on_before_optimizer_step))
 
-        self.seconds, self.bias = 0.0, 0.0
-        self._depth = 0  # 1 inside a hook of the capture, 2 inside a save step it runs
-        empty = self._timed(lambda: None, own=True)
-        for _ in range(10_000):
-            empty()
-        self.bias, self.seconds = self.seconds / 10_000, 0.0
-        hooks = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end", "defer_to_validation")
-        cls = module._PreOptimizerStepState
-        for name in (*hooks, "on_validation_end", "save_checkpoint"):
-            setattr(cls, name, self._timed(getattr(cls, name), own=True))
-        for owner, name in (
-            (Trainer, "save_checkpoint"),
-            (_CheckpointConnector, "dump_checkpoint"),
-            (Strategy, "save_checkpoint"),
-        ):
-            setattr(owner, name, self._timed(getattr(owner, name), own=False))
+        def save_checkpoint(state: State, trainer: Trainer, checkpoint: ModelCheckpoint, filepath: str) -> None:
+            if id(checkpoint) in state._pending:  # a top-k save at the end of a training batch
+                self.save_batches.add(state._start_step)
+                self.at_save.append(held(state))
+            save(state, trainer, checkpoint, filepath)
 
-    def _timed(self, fn: Callable[..., Any], own: bool) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not own and self._depth != 1:  # a save outside the capture, or a step of a save already subtracted
-                return fn(*args, **kwargs)
-            self._depth += 1
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                elapsed = time.thread_time() - start - self.bias
-                self._depth -= 1
-                self.seconds += elapsed if own else -elapsed
+        def _swapped(state: State, *args: Any) -> Any:
+            self.with_copy += 1
+            return swapped(state, *args)
+
+        State.save_checkpoint = save_checkpoint
+        State._swapped = _swapped
+
+    def _copy_probe(self, step: Any) -> Any:
+        def on_before_optimizer_step(state: State, trainer: Trainer, optimizer: Any) -> None:
+            empty, start, times = not state._params, time.perf_counter(), os.times()
+            step(state, trainer, optimizer)
+            if empty and state._params:  # this call copied
+                self.copy_seconds.append(time.perf_counter() - start)
+                self.copy_system.append(os.times().system - times.system)
+                self.copy_batches.add(state._start_step)
+            self.peak = max(self.peak, held(state))
+
+        return on_before_optimizer_step
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            result = fn(*args)
+            self.hook_seconds += time.perf_counter() - start
+            return result
 
         return timed
 
-
-def block_times(kinds: dict[str, tuple[bool, bool, bool]], blocks: int, steps: int, every_n: int) -> dict[str, float]:
-    """Per-batch CPU time of this thread for each kind (label -> fit kwargs): the median over alternating blocks, in
-    this process, of each block's mean (which includes its saves and copies). With one torch thread, the batch's
-    compute, the capture and the save all run in this thread."""
-    per_kind: dict[str, list[float]] = {label: [] for label in kinds}
-    for block in range(blocks + 1):  # the first round warms up and is not counted
-        for label, (manual, workaround, pre_step) in kinds.items():
-            seed_everything(0, verbose=False)
-            clock = StepClock(time.thread_time)  # CPU time: other processes on the machine do not add to it
-            kwargs: dict[str, Any] = {"every_n_train_steps": every_n, "save_top_k": 1}
-            if pre_step:
-                kwargs["save_pre_optimizer_step_state"] = True
-            fit(FineTune(manual, workaround), steps, kwargs, extra=[clock])
-            if block:
-                per_kind[label].append(statistics.fmean(clock.times[10:]))
-    return {label: statistics.median(times) for label, times in per_kind.items()}
+    def reset(self) -> None:
+        self.hook_seconds = 0.0  # in the hooks of the state (the copy, the drop at the batch end), not in the saves
+        self.copy_seconds: list[float] = []  # of the calls that copied
+        self.copy_system: list[float] = []  # their system CPU time (page faults of the new memory)
+        self.copy_batches: set[int] = set()  # the global step at the start of each batch that copied
+        self.save_batches, self.at_save = set(), []  # the same of the batches that saved; bytes held at each save
+        self.with_copy = self.peak = 0
 
 
-def met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+class BatchClock(Callback):
+    """Wall time from a batch's start to its end, before the checkpoints' hooks (Lightning runs them last)."""
+
+    times: list[float]
+
+    def on_fit_start(self, *args: Any) -> None:
+        self.times = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def fit(
+    args: argparse.Namespace,
+    frozen: bool,
+    option: bool,
+    checkpoints: int = 1,
+    steps: int = 0,
+    weights_only: tuple[bool, ...] = (False,) * 3,
+) -> tuple[float, float, list[float], Trainer]:
+    """One fit; returns its wall and process CPU seconds, the batch times and the trainer."""
+    warnings.filterwarnings("ignore")
+    gc.collect()  # the trainers and models of earlier fits
+    seed_everything(0, verbose=False)
+    model = Net(args.width, args.layers, args.batch, frozen)
+    clock = BatchClock()
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+        ckpts = [
+            ModelCheckpoint(
+                # other checkpoints every 5 and 2 steps (a unique `state_key`): all save after each 10th step
+                dirpath=os.path.join(tmp, str(i)),
+                monitor="train_loss",
+                every_n_train_steps=(10, 5, 2)[i],
+                save_top_k=3,
+                save_weights_only=weights_only[i],
+                save_pre_optimizer_step_state=option,
+            )
+            for i in range(checkpoints)
+        ]
+        trainer = Trainer(
+            max_steps=steps or args.steps,
+            callbacks=[clock, *ckpts],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            accelerator="cpu",
+            devices=1,
+        )
+        wall, cpu = time.perf_counter(), time.process_time()
+        trainer.fit(model)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall, cpu, clock.times, trainer
+
+
+def peak_rss(args: argparse.Namespace, frozen: bool, option: bool, checkpoints: int) -> int:
+    """Peak RSS in bytes of one fit in a fresh subprocess of this interpreter."""
+    cmd = [sys.executable, __file__, "--worker", "--width", str(args.width), "--layers", str(args.layers),
+           "--batch", str(args.batch), "--steps", str(args.rss_steps), "--threads", str(args.threads),
+           "--checkpoints", str(checkpoints)] + ["--frozen"] * frozen + ["--option"] * option  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["maxrss"]
+
+
+def median_seconds(fn: Any, reps: int = 5) -> float:
+    """The median of ``reps`` calls; each result is dropped before the next call."""
+    return statistics.median(seconds(fn) for _ in range(reps))
+
+
+def seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace, probe: Probe, frozen: bool) -> dict[str, str]:
+    model = Net(args.width, args.layers, args.batch, frozen)
+    param_bytes = sum(p.nbytes for p in model.parameters())
+    trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    col = {
+        "parameters": f"{param_bytes / 4e6:.1f}M, {param_bytes / MB:.1f} MB ({trainable / param_bytes:.1%} trainable)"
+    }
+
+    # 4 (and 1, 3, 5): alternating fits, option off and on, every_n_train_steps=10, save_top_k=3
+    walls, cpus = {False: [], True: []}, {False: [], True: []}
+    batch_off, copies, copy_system, at_save, copy_in_fit = [], [], [], [], []
+    copy_batches = save_batches = with_copy = 0
+    stray = 0  # copies taken in batches that did not end on a top-k save
+    fit(args, frozen, False, steps=10)  # warm-up, not counted
+    for _ in range(args.reps):
+        for option in (False, True):
+            probe.reset()
+            wall, cpu, times, trainer = fit(args, frozen, option)
+            walls[option].append(wall)
+            cpus[option].append(cpu)
+            if not option:
+                batch_off += times[1:]
+                continue
+            copies += probe.copy_seconds
+            copy_system += probe.copy_system
+            copy_in_fit.append((sum(probe.copy_seconds) / wall, sum(probe.copy_seconds), probe.hook_seconds))
+            copy_batches += len(probe.copy_batches)
+            save_batches += len(probe.save_batches)
+            stray += len(probe.copy_batches - probe.save_batches)
+            with_copy += probe.with_copy
+            at_save += probe.at_save
+    copy_bytes = statistics.median(at_save)
+    col["bytes per copy at a save (median)"] = f"{copy_bytes / MB:.1f} MB = {copy_bytes / param_bytes:.2f}x parameters"
+
+    # 1: weights-only, and the peak with 1, 2, 3 checkpoints with the option (all saving after the same batches)
+    wo = []
+    for checkpoints, weights_only in ((1, (True,)), (2, (True, False))):
+        probe.reset()
+        fit(args, frozen, True, checkpoints, steps=args.rss_steps, weights_only=weights_only)
+        wo.append(statistics.median(probe.at_save))
+    col["bytes per copy with `save_weights_only=True`: the only checkpoint / 1 of 2 checkpoints"] = " / ".join(
+        f"{b / MB:.1f} MB = {b / param_bytes:.2f}x" for b in wo
+    )
+    peaks = []
+    for n in (1, 2, 3):
+        probe.reset()
+        fit(args, frozen, True, checkpoints=n, steps=args.rss_steps)
+        peaks.append(probe.peak)
+    col["peak bytes held in `_params`/`_others`, 1 / 2 / 3 checkpoints"] = (
+        " / ".join(f"{p / MB:.1f}" for p in peaks) + " MB"
+    )
+
+    # 2: peak RSS, each fit in a fresh subprocess
+    rss = [(peak_rss(args, frozen, False, n), peak_rss(args, frozen, True, n)) for n in (1, 2, 3)]
+    col["peak RSS of a fit, off → on, with 1 / 2 / 3 checkpoints"] = (
+        " / ".join(f"{off / MB:.0f} → {on / MB:.0f}" for off, on in rss) + " MB"
+    )
+    col["peak RSS on - off, 1 / 2 / 3 checkpoints (in copies)"] = " / ".join(
+        f"{(on - off) / MB:+.0f} MB ({(on - off) / copy_bytes:.2f})" for off, on in rss
+    )
+
+    # 3: the copy against plain copies of the same bytes, in this process
+    copy_s = statistics.median(copies)
+    flat = torch.ones(int(copy_bytes), dtype=torch.uint8)
+    dst = torch.ones_like(flat)
+    clone_flat = median_seconds(flat.clone)
+    memcpy = median_seconds(partial(dst.copy_, flat))
+    del flat, dst
+    optimizer = trainer.optimizers[0]
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors += [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
+    clone_each = median_seconds(lambda: [t.clone() for t in tensors])
+    col["copy: `on_before_optimizer_step` that copies (median of its calls)"] = (
+        f"{copy_s * 1e3:.1f} ms ({len(copies)} calls), system CPU {statistics.median(copy_system) * 1e3:.0f} ms"
+    )
+    plain = "plain copies of those bytes: one flat `clone()` / `copy_` into a preallocated buffer / `clone()` of each"
+    col[plain + " tensor"] = f"{clone_flat * 1e3:.1f} / {memcpy * 1e3:.1f} / {clone_each * 1e3:.1f} ms"
+    col["copy / plain copy (target <= 1.5x)"] = (
+        f"{copy_s / clone_flat:.2f}x / {copy_s / memcpy:.2f}x / {copy_s / clone_each:.2f}x"
+    )
+
+    # 4: shares
+    batch = statistics.median(batch_off)
+    col["batch with the option off (median)"] = f"{batch * 1e3:.1f} ms"
+    col["copy / that batch"] = f"{copy_s / batch:.1%}"
+    off_w, on_w = statistics.median(walls[False]), statistics.median(walls[True])
+    off_c, on_c = statistics.median(cpus[False]), statistics.median(cpus[True])
+    col[f"fit of {args.steps} steps, off / on, wall (median of {args.reps})"] = (
+        f"{off_w:.2f} / {on_w:.2f} s, {on_w / off_w - 1:+.1%}"
+    )
+    col["the same, process CPU time"] = f"{off_c:.2f} / {on_c:.2f} s, {on_c / off_c - 1:+.1%}"
+    share, copying, hooks = (statistics.median(x) for x in zip(*copy_in_fit, strict=True))
+    col["copy time / fit wall time (median over fits)"] = f"{share:.1%}"
+    col["per fit: time copying / in all the state's hooks (copies, drops; not the saves), medians"] = (
+        f"{copying:.2f} / {hooks:.2f} s"
+    )
+
+    # 5: copies vs saves
+    col[f"batches that copied / ended on a top-k save / saves writing the copy ({args.reps} fits)"] = (
+        f"{copy_batches} / {save_batches} / {with_copy}; copies in batches without a save: {stray}"
+    )
+    return col
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000, help="steps of the copy counts")
-    parser.add_argument("--blocks", type=int, default=30, help="blocks per variant in the throughput comparison")
-    parser.add_argument("--block-steps", type=int, default=100)
-    parser.add_argument("--stock-python", help="an interpreter with the released lightning==2.6.6")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100, help="steps of each timed fit")
+    parser.add_argument("--rss-steps", type=int, default=30, help="steps of the memory fits (3 saves)")
+    parser.add_argument("--reps", type=int, default=3, help="timed fits per variant, alternating off and on")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-frozen", action="store_true", help="skip the frozen-backbone column")
+    for hidden in ("--worker", "--frozen", "--option"):  # a worker's: one fit for its peak RSS
+        parser.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoints", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(True)
+    torch.set_num_threads(args.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
-    if args.worker:  # the stock interpreter's side of section 4
-        kinds = {"stock": (True, False, False), "stock + saved_models": (True, True, False)}
-        print(json.dumps(block_times(kinds, args.blocks, args.block_steps, every_n=10)))
+    if args.worker:
+        fit(args, args.frozen, args.option, checkpoints=args.checkpoints)
+        with open("/proc/self/status") as f:
+            hwm = [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")]
+        print(json.dumps({"maxrss": hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
         return
 
-    print(f"lightning {lightning.__version__}, torch {torch.__version__}, 1 thread")
-    model = FineTune(manual=True)
-    trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
-    total = sum(p.nbytes for p in model.parameters())
+    source = Path(sys.modules[State.__module__].__file__).read_bytes()  # the code measured, named as git names it
+    blob = hashlib.sha1(b"blob %d\0" % len(source) + source).hexdigest()[:10]
     print(
-        f"\nmodel: {total / 2**20:.2f} MiB of parameters,"
-        f" {trainable / 2**10:.1f} KiB trainable ({trainable / total:.1%})"
+        f"lightning {lightning.__version__} (_pre_optimizer_step.py blob {blob}), torch {torch.__version__},"
+        f" {args.threads} torch thread(s), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}\n"
     )
-    # AdamW keeps two tensors like each trainable parameter, and a scalar step per parameter tensor
-    n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    target = trainable + 2 * trainable + n_trainable * torch.tensor(0.0).nbytes + 2**20
-
-    # 1: memory, with one checkpoint and with two (each holds its own copy)
-    print("\npeak extra memory (the copies held at once), every_n_train_steps=1, save_top_k=3:")
-    for n in (1, 2):
-        seed_everything(0, verbose=False)
-        kwargs = {"every_n_train_steps": 1, "save_top_k": 3, "save_pre_optimizer_step_state": True}
-        (meter,) = fit(FineTune(True), args.steps // 4, kwargs, extra=[Meter], n_checkpoints=n)
-        print(
-            f"  {n} checkpoint{'s' if n > 1 else ''}: {meter.peak_bytes / 2**10:.1f} KiB; target <= trainable +"
-            f" optimizer state + 1 MiB = {target / 2**10:.1f} KiB: {met(meter.peak_bytes <= target)}"
-        )
-
-    # 2: copies vs saves entering the top-k, per 1,000 steps
-    per_1000 = 1000 / args.steps
-    for every_n in (1, 10):
-        print(f"\ncopies vs saves entering the top-k per 1,000 steps, every_n_train_steps={every_n}, save_top_k=3:")
-        for label, manual, after in (
-            ("automatic (loss logged in the closure)", False, False),
-            ("manual, logged before the step", True, False),
-            ("manual, logged after the step", True, True),
-        ):
-            seed_everything(0, verbose=False)
-            kwargs = {"every_n_train_steps": every_n, "save_top_k": 3, "save_pre_optimizer_step_state": True}
-            (meter,) = fit(FineTune(manual, log_after_step=after), args.steps, kwargs, extra=[Meter])
-            copies, entering = meter.copies * per_1000, meter.entering * per_1000
-            after_step = entering if after else 0  # this model logs the score after the step in every batch or none
-            line = (
-                f"  {label:<38}: {copies:5.0f} copies; saves entering the top-k {entering:.0f}, of them with the"
-                f" score logged after the step {after_step:.0f}; copies <= their sum + 1% of the steps:"
-                f" {met(copies <= entering + after_step + 10)}"
-            )
-            if after:  # they hold the live state, with a warning, and take no copy
-                line += f"; copies ~0 (<= 1% of the steps): {met(copies <= 10)}"
-            print(line)
-
-    # 3: step time, every 10 steps, option on and off, alternating in this process; then the CPU time spent in the
-    # capture's own code, measured inside a run, which does not depend on what else the machine is doing
-    kinds = {
-        "manual, option off": (True, False, False),
-        "manual, option on": (True, False, True),
-        "automatic, option off": (False, False, False),
-        "automatic, option on": (False, False, True),
-    }
-    times = block_times(kinds, args.blocks, args.block_steps, every_n=10)
-    print(
-        f"\nstep CPU time, every_n_train_steps=10, median of {args.blocks} alternating blocks"
-        f" of {args.block_steps} steps (target: on - off <= 0.5% of a {STEP_SECONDS * 1e3} ms step):"
-    )
-    for mode in ("manual", "automatic"):
-        off, on = times[f"{mode}, option off"], times[f"{mode}, option on"]
-        print(
-            f"  {mode:<9}: off {off * 1e3:.3f} ms, on {on * 1e3:.3f} ms, {on / off - 1:+.2%};"
-            f" on - off {(on - off) * 1e6:+.1f} us, {(on - off) / STEP_SECONDS:+.2%} of a {STEP_SECONDS * 1e3} ms"
-            f" step: {met(on - off <= 0.005 * STEP_SECONDS)}"
-        )
-    own = OwnTime()
-    for mode, manual in (("manual", True), ("automatic", False)):
-        own.seconds = 0.0
-        seed_everything(0, verbose=False)
-        clock = StepClock(time.thread_time)  # CPU time per batch, the capture's share of it
-        kwargs = {"every_n_train_steps": 10, "save_top_k": 1, "save_pre_optimizer_step_state": True}
-        fit(FineTune(manual), 1000, kwargs, extra=[clock])
-        per_step = own.seconds / len(clock.times)
-        print(
-            f"  {mode:<9}: {per_step * 1e6:.1f} us of CPU per step in the capture's own code,"
-            f" {own.seconds / sum(clock.times):.2%} of this run's {statistics.fmean(clock.times) * 1e3:.2f} ms steps,"
-            f" {per_step / STEP_SECONDS:.2%} of a {STEP_SECONDS * 1e3} ms step"
-            f" (target <= 0.5%: {met(per_step <= 0.005 * STEP_SECONDS)})"
-        )
-
-    # 4: stock and the workaround, in the stock interpreter
-    if args.stock_python:
-        block_args = ["--block-steps", str(args.block_steps)]
-        out = subprocess.run(
-            [args.stock_python, __file__, "--worker", "1", "--blocks", str(args.blocks), *block_args],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        stock = json.loads(out.stdout.strip().splitlines()[-1])
-        print("\nreleased lightning 2.6.6 (another process), manual optimization, every_n_train_steps=10:")
-        for label, value in stock.items():
-            print(f"  {label:<21}: {value * 1e3:.3f} ms per step, {value / stock['stock'] - 1:+.2%} vs stock")
+    probe = Probe()
+    cols = {"fully trainable, Adam": measure(args, probe, frozen=False)}
+    if not args.no_frozen:
+        cols["frozen blocks, Adam on the head"] = measure(args, probe, frozen=True)
+    print("| measure | " + " | ".join(cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    for row in next(iter(cols.values())):
+        print(f"| {row} | " + " | ".join(col[row] for col in cols.values()) + " |")
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
