@@ -427,3 +427,48 @@ def test_a_train_mode_loss_through_spectral_norm_pairs(tmp_path):
     _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
 
     assert_pairs(ckpt, rescore_loss(model, lambda: Probed(spectral=True)))
+
+
+class ExtraState(LogAfterStep):
+    """A `state_dict` override that adds a tensor that is neither a parameter nor a buffer (an EMA shadow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shadow = torch.zeros(1, 4)
+
+    def state_dict(self, *args, **kwargs):
+        return {**super().state_dict(*args, **kwargs), "shadow": self.shadow}
+
+    def load_state_dict(self, state_dict, strict=True):
+        self.shadow = state_dict.pop("shadow")
+        return super().load_state_dict(state_dict, strict)
+
+
+class SteppedTwice(LogAfterStep):
+    """One optimizer stepped twice a batch; the loss of the second step is logged."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        for _ in range(2):
+            loss = self.loss_of(*batch)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        self.log("loss", loss)
+
+
+@pytest.mark.parametrize(
+    ("model", "cause"),
+    [
+        (ExtraState(), "a `state_dict` override that adds tensors"),
+        (SteppedTwice(), "was changed by an earlier step of the batch too"),
+    ],
+    ids=["extra-state", "stepped-twice"],
+)
+def test_a_state_that_was_not_kept_is_saved_live_with_its_cause(tmp_path, model, cause):
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path, every_n_train_steps=4)])
+    (warning,) = messages(caught, "save_pre_optimizer_step_state")
+    assert cause in warning
+    assert ckpt.best_k_models
+    assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)

@@ -212,16 +212,11 @@ class _PreOptimizerStepState:
         """Writes a top-k file with the state at the step the monitored value pairs with, or the live state."""
         in_batch = id(checkpoint) in self._pending
         step, reason = self._pairing_step(trainer, checkpoint) if in_batch else (None, None)
-        state = None if step is None or self._filtered else self._state_at(trainer, step)
+        state = None
         if step is not None and self._filtered:
             reason = "the value logged before the step was not expected to enter the top-k, so nothing was copied"
-        elif step is not None and state is None:
-            reason = (
-                "the state at the step that followed its backward was not kept: a tensor that step changed was also"
-                " changed by an earlier step of the batch, the tensors no optimizer steps (buffers, frozen weights)"
-                " changed by more than 1 MiB between the steps, or the module's state dict has tensors that are not"
-                " the parameters and buffers it had then"
-            )
+        elif step is not None:
+            state, reason = self._state_at(trainer, step)
         if state is None:
             trainer.save_checkpoint(filepath, checkpoint.save_weights_only)
         else:
@@ -287,12 +282,15 @@ class _PreOptimizerStepState:
             " reduced across processes with `sync_dist=True` is not), so which state computed it is unknown"
         )
 
-    def _state_at(self, trainer: "pl.Trainer", step: int) -> Optional[tuple[list[tuple[Tensor, Tensor]], list, tuple]]:
-        """The tensors to swap in and the optimizer states to put back for the state at ``step``, if it is known."""
+    def _state_at(self, trainer: "pl.Trainer", step: int) -> tuple[Optional[tuple], Optional[str]]:
+        """What to swap in for the state at ``step`` (tensors, optimizer states, small states), or why it is unknown."""
         module = trainer.lightning_module
         tensors_saved = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
         if any(t not in self._params and t not in self._others for t in tensors_saved):
-            return None  # a tensor that is not one the module had at the step (a layer swapped in, an extra state)
+            return None, (
+                "the module's state dict has tensors that are not the parameters and buffers it had at the step (a"
+                " layer swapped in, or a `state_dict` override that adds tensors)"
+            )
         buffers = set(module.buffers())
         tensors, states = [], []
         for p, (first, last, value, state, optimizer) in self._params.items():
@@ -301,14 +299,17 @@ class _PreOptimizerStepState:
                 if self._with_states:
                     states.append((optimizer, p, state))
             elif last >= step:
-                return None  # changed both before and at (or after) that step
+                return None, (
+                    "a parameter that the step after its backward changed was changed by an earlier step of the batch"
+                    " too, and only its value before the first is kept"
+                )
         for t, values in self._others.items():
             # a buffer as before the forwards that led to the step: those the forward updates computed the value
             known = [value for at, value in values if at <= (step - 1 if t in buffers else step)]
             if not known or known[-1] is None:
-                return None
+                return None, "buffers or frozen weights changed by more than 1 MiB between the batch's steps"
             tensors.append((t, known[-1]))
-        return tensors, states, self._small[step]
+        return (tensors, states, self._small[step]), None
 
     @contextmanager
     def _swapped(self, trainer: "pl.Trainer", state: tuple) -> Iterator[None]:
