@@ -472,3 +472,20 @@ def test_a_state_that_was_not_kept_is_saved_live_with_its_cause(tmp_path, model,
     assert cause in warning
     assert ckpt.best_k_models
     assert all("pre_optimizer_step" not in load(path) for path in ckpt.best_k_models)
+
+
+class MaxNormBeforeTheLoss(LogAfterStep):
+    """Projects the weights onto a ball in place before computing the loss: the step's state includes it."""
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.head.weight.mul_(torch.clamp(1.0 / self.head.weight.norm(), max=1.0))
+        super().training_step(batch, batch_idx)
+
+
+def test_an_in_place_projection_before_the_loss_pairs_without_a_warning(tmp_path):
+    model = MaxNormBeforeTheLoss()
+    with recorded_warnings() as caught:
+        _, (ckpt,) = fit(tmp_path, model, checkpoints=[checkpoint(tmp_path)])
+    assert not messages(caught, "save_pre_optimizer_step_state")
+    assert_pairs(ckpt, rescore_loss(model, LogAfterStep))
