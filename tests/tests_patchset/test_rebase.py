@@ -1,5 +1,6 @@
 """rebase: replay the series onto a new upstream release made from the real sdist."""
 
+import os
 import re
 import subprocess
 import tarfile
@@ -68,7 +69,9 @@ def test_a_patch_upstream_took_is_dropped(project: Path, upstream_sdist: Path, t
     patch = read_series(project)[0].path
 
     def taken(tree: Path) -> None:  # upstream's release has the patch's whole change
-        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+        # not a repository, wherever the temporary folder is: inside one (nox's), `git apply` would skip every path
+        ceiling = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, env=ceiling)
 
     sdist = _release(upstream_sdist, tmp_path, "2.7.0", taken)
     result = rebase(project, "2.7.0", sdist=sdist, sha256=file_sha256(sdist))
