@@ -142,6 +142,20 @@ def port_race() -> dict[str, Any]:
     }
 
 
+def port_value_case() -> dict[str, Any]:
+    """`MASTER_PORT=65536`, one process of Fabric's `ddp`: the error, before or from the process group."""
+    os.environ["MASTER_PORT"] = "65536"
+    import lightning
+    from lightning.fabric import Fabric
+
+    try:
+        Fabric(accelerator="cpu", devices=1, strategy="ddp").launch()
+        error = "none: it ran"
+    except Exception as err:  # the error as a user sees it, whichever it is
+        error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return {"version": lightning.__version__, "error": error}
+
+
 def requires_case() -> dict[str, Any]:
     """What the installed `lightning` requires of the unpatched `pytorch-lightning` distribution."""
     import importlib.metadata
@@ -191,18 +205,29 @@ def run(part: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def _row(side: str, version: str, width: int, text: str) -> None:
+    print(f"     {side:5} {version:{width}} {text}")
+
+
 def main() -> None:
     """Each fix at work, next to stock."""
-    import lightning
-
+    try:
+        import lightning
+    except ImportError as err:
+        raise SystemExit(f"demo/fixes.py: no lightning here ({err}): install the fork first, `pip install .`") from None
+    if "+patchset." not in lightning.__version__:
+        raise SystemExit(
+            f"demo/fixes.py: this lightning is {lightning.__version__}, not the patch set's fork (a `+patchset`"
+            " version): install the fork first, `pip install .`"
+        )
     print(f"fork: lightning {lightning.__version__} from {lightning.__file__}")
-    assert "+patchset." in lightning.__version__, "this is not the patch set's fork"
     stock = stock_env(lightning.__version__.split("+")[0])
+    width = len(lightning.__version__)  # stock's version is its prefix
 
     print("0001 build: what `lightning` requires of the unpatched `pytorch-lightning` distribution")
     fork = run("--requires-case")
     for side, row in [*([("stock", run("--requires-case", stock))] if stock else []), ("fork", fork)]:
-        print(f"     {side:5} {row['version']:17} " + (", ".join(row["unpatched"]) or "nothing"))
+        _row(side, row["version"], width, ", ".join(row["unpatched"]) or "nothing")
     assert not fork["unpatched"], "the fork's lightning pulls the unpatched pytorch-lightning"
     print()
 
@@ -213,28 +238,33 @@ def main() -> None:
     rows = [("stock", run("--checkpoint-case", stock))] if stock else []
     for side, row in [*rows, ("fork", fork)]:
         same = abs(row["file"] - row["score"]) < 1e-6
-        print(
-            f"     {side:5} {row['version']:17} best_model_score {row['score']:.4f} (batch {row['batch']});"
-            f" the file's weights give {row['file']:.4f}: "
-            + ("the weights that were scored" if same else "other weights (stock saves after the step)")
-        )
+        scored = "the weights that were scored" if same else "other weights (stock saves after the step)"
+        text = f"best_model_score {row['score']:.4f} (batch {row['batch']}); the file's weights give {row['file']:.4f}"
+        _row(side, row["version"], width, f"{text}: {scored}")
     assert abs(fork["file"] - fork["score"]) < 1e-6, "the fork's best file holds weights other than the scored ones"
 
     print("\n0003 pytorch: manual optimization, ModelCheckpoint(train_time_interval=50 ms), 10 steps of 20 ms or more")
     interval = run("--interval-case")
     for side, row in [*([("stock", run("--interval-case", stock))] if stock else []), ("fork", interval)]:
-        print(f"     {side:5} {row['version']:17} {row['files']} checkpoint files written")
+        _row(side, row["version"], width, f"{row['files']} checkpoint files written")
     assert interval["files"] > 0, "the fork wrote no checkpoint with train_time_interval under manual optimization"
 
     print(f"\n0002 fabric: {PICKERS} processes pick a rendezvous port (LightningEnvironment().main_port) {PICKS} times")
     for side, env in [*([("stock", stock)] if stock else []), ("fork", None)]:
         race = run("--port-race", env)
-        print(
-            f"     {side:5} {race['version']:17} {race['twice']} of {race['picks']} ports handed out twice while held"
-            + (": whichever binds second fails with EADDRINUSE" if race["twice"] else "")
-        )
+        text = f"{race['twice']} of {race['picks']} ports handed out twice while held"
+        _row(side, race["version"], width, text + (": whichever binds second fails" if race["twice"] else ""))
     # on macOS and Windows the fork picks as stock does (docs/ports.md)
     assert race["twice"] == 0 or sys.platform != "linux", "the fork handed one port to two processes"
+
+    print("\n0006 fabric: MASTER_PORT=65536, Fabric(strategy='ddp', devices=1).launch(): the error")
+    fork = run("--port-value-case")
+    for side, row in [*([("stock", run("--port-value-case", stock))] if stock else []), ("fork", fork)]:
+        _row(side, row["version"], width, row["error"])
+    assert fork["error"].startswith("ValueError: MASTER_PORT=65536 "), "the fork's error does not name MASTER_PORT"
+
+    print("\n0005 tests: changes upstream's own test suites (their conftests), nothing in the installed fork;")
+    print("     the README's section on test suites shows the same reruns as a pytest command line")
 
 
 if __name__ == "__main__":
@@ -242,6 +272,7 @@ if __name__ == "__main__":
         "--checkpoint-case": checkpoint_case,
         "--interval-case": interval_case,
         "--port-race": port_race,
+        "--port-value-case": port_value_case,
         "--requires-case": requires_case,
     }
     if sys.argv[1:2] and sys.argv[1] in cases:
