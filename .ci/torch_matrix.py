@@ -2,6 +2,7 @@
 
 python .ci/torch_matrix.py render DIR   the table from the JSON files under DIR (each session's $TORCH_MATRIX_RESULTS)
 python .ci/torch_matrix.py check        every row passed, all rows name one commit, and the sources are unchanged since
+                                        (but for the pin's label, which a release moves)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ BEGIN = "<!-- the table: `python .ci/torch_matrix.py render DIR` writes it -->"
 END = "<!-- end of the table -->"
 COLUMNS = ["torch", "session", "python", "platform", "passed", "failed", "skipped", "seconds", "commit"]
 SOURCES = ["patches", "src", "tests", "tools", "noxfile.py", "pyproject.toml"]  # what a result describes
+PIN = "patches/upstream.pin"  # its label moves after a release (`release`), which changes no code
 
 
 def _version(text: str) -> list[int]:
@@ -46,6 +48,18 @@ def render(folder: Path) -> int:
     return 0
 
 
+def _pin(commit: str) -> str:
+    """The upstream pin at ``commit`` without its ``local-version`` label."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{PIN}"], capture_output=True, text=True).stdout
+    return re.sub(r"(?m)^local-version\s*=.*$", "", text)
+
+
+def _changed(commit: str) -> bool:
+    """Whether a source differs between ``commit`` and ``HEAD`` (or ``commit`` is none)."""
+    diff = ["git", "-C", str(ROOT), "diff", "--quiet", commit, "HEAD", "--", *SOURCES, f":(exclude){PIN}"]
+    return bool(subprocess.run(diff, stderr=subprocess.DEVNULL).returncode) or _pin(commit) != _pin("HEAD")
+
+
 def check() -> int:
     """Whether the page's table describes this checkout: every row passed, at one commit, no source changed since."""
     table = PAGE.read_text(encoding="utf-8").partition(BEGIN)[2].partition(END)[0]
@@ -56,8 +70,7 @@ def check() -> int:
     commits = sorted({row["commit"] for row in rows})
     if len(commits) != 1:
         problems.append(f"the rows name {len(commits)} commits: {', '.join(commits) or 'none'}")
-    elif subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", commits[0], "HEAD", "--", *SOURCES],
-                        stderr=subprocess.DEVNULL).returncode:  # fmt: skip
+    elif _changed(commits[0]):
         problems.append(f"{', '.join(SOURCES)} changed since {commits[0]} (or it is no commit): run the matrix again")
     print("\n".join(problems) or f"torch matrix: {len(rows)} rows passed at {commits[0]}, the sources unchanged since")
     return 1 if problems else 0
