@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 from patchset_helpers import (
+    BUILT_FILES,
     DEMO,
     DISTRIBUTIONS,
     REPO,
@@ -146,16 +147,17 @@ def pip_in_venv(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 def fork_wheels(tmp_path_factory: pytest.TempPathFactory, patchset_cache: Path) -> dict[str, Path]:
     """The fork's three distributions, built once per run as users build them (``pip wheel`` through the backend).
 
-    Built from a copy of this checkout's files (no git: the version is the pin's, :data:`patchset_helpers.FORK`), and
-    shared by pytest-xdist's workers: the first to get the lock builds, the others wait and read.
+    Each from its folder (the project, or one of ``distributions/``), from a copy of this checkout's files (no git: the
+    version is the pin's, :data:`patchset_helpers.FORK`), and shared by pytest-xdist's workers: the first to get the
+    lock builds, the others wait and read.
     """
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, every worker's is in it
     dest = root / "fork-wheels"
     with FileLock(str(root / "fork-wheels.lock")):
         if not (dest / "built").is_file():
-            source = copy_project(root / "fork-source", include=("patches", "tools", "src", "pyproject.toml"))
-            for flavour, _ in DISTRIBUTIONS.values():
-                pip_wheel(source, dest, flavour)
+            source = copy_project(root / "fork-source", include=BUILT_FILES)
+            for folder, _ in DISTRIBUTIONS.values():
+                pip_wheel(source / folder, dest)
             (dest / "built").write_text("")
     return {name: next(dest.glob(f"{name}-*.whl")) for name in DISTRIBUTIONS}

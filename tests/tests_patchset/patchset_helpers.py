@@ -21,15 +21,17 @@ TOOLS = REPO / "tools"
 PROJECT_EMAIL = "maintainers@users.noreply.a-seed-28b837d4.example"  # the project's identity in its patches
 FORK = read_pin(REPO).fork_version  # what a copy of this checkout without git history builds, e.g. 2.6.6+patchset.1
 DEMO = "src/lightning/fabric/utilities/_patchset_demo.py"  # a new file the tool tests add to a copy of the project
-# distribution (as in wheel names) -> the flavour (PACKAGE_NAME) that builds it, and where our src/lightning files land
+# distribution (as in wheel names) -> the folder that builds it (a git URL's `#subdirectory=`), and where our
+# src/lightning files land
 DISTRIBUTIONS = {
-    "lightning": (None, {"src/lightning/": "lightning/"}),
+    "lightning": ("", {"src/lightning/": "lightning/"}),
     "pytorch_lightning": (
-        "pytorch",
+        "distributions/pytorch-lightning",
         {"src/lightning/pytorch/": "pytorch_lightning/", "src/lightning/fabric/": "lightning_fabric/"},
     ),
-    "lightning_fabric": ("fabric", {"src/lightning/fabric/": "lightning_fabric/"}),
+    "lightning_fabric": ("distributions/lightning-fabric", {"src/lightning/fabric/": "lightning_fabric/"}),
 }
+BUILT_FILES = ("patches", "tools", "src", "distributions", "pyproject.toml")  # what a build of the fork reads
 
 
 def project_files(root: Path) -> list[str]:
@@ -42,7 +44,10 @@ def project_files(root: Path) -> list[str]:
     return sorted({f for f in listed.split("\0") if f and (root / f).is_file()})
 
 
-_PROJECT_FILES = ("patches", "tools", "pyproject.toml", "README.md", "docs/maintaining.md")
+# 0001 owns src/lightning/_patchset.py: the first patch alone needs its one new file
+_PROJECT_FILES = (
+    "patches", "tools", "pyproject.toml", "README.md", "docs/maintaining.md", "src/lightning/_patchset.py",
+)  # fmt: skip
 
 
 def copy_project(dest: Path, include: tuple[str, ...] = _PROJECT_FILES) -> Path:

@@ -11,7 +11,16 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from patchset_helpers import DISTRIBUTIONS, FORK, REPO, build_in_process, copy_project, pip_wheel, write
+from patchset_helpers import (
+    BUILT_FILES,
+    DISTRIBUTIONS,
+    FORK,
+    REPO,
+    build_in_process,
+    copy_project,
+    pip_wheel,
+    write,
+)
 
 from patchset import PatchsetError
 from patchset.flavours import fork_url
@@ -109,20 +118,24 @@ def test_about_modules_hold_the_indexs_values(
 
 
 @pytest.mark.slow
-def test_two_builds_of_one_commit_are_byte_identical(fork_wheels: dict[str, Path], tmp_path: Path, monkeypatch):
-    """A build with a cold cache and one of our files' time and mode changed gives the shared build's bytes."""
+@pytest.mark.parametrize(("distribution", "package_name"), [("lightning", None), ("lightning_fabric", "fabric")])
+def test_two_builds_of_one_commit_are_byte_identical(
+    distribution: str, package_name: str | None, fork_wheels: dict[str, Path], tmp_path: Path, monkeypatch
+):
+    """A build with a cold cache and one of our files' time and mode changed gives the shared build's bytes; and
+    ``PACKAGE_NAME=fabric`` at the project (upstream's switch) builds what ``distributions/lightning-fabric`` does."""
     monkeypatch.setenv("LIGHTNING_PATCHSET_CACHE", str(tmp_path / "cold-cache"))
     monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
-    project = copy_project(tmp_path / "project", include=("patches", "tools", "src", "pyproject.toml"))
+    project = copy_project(tmp_path / "project", include=BUILT_FILES)
     ours = project / overlay_files(project)[0]
     later = time.time() + 3600
     os.utime(ours, (later, later))
     ours.chmod(0o664)
-    again = pip_wheel(project, tmp_path / "again")
-    assert again.read_bytes() == fork_wheels["lightning"].read_bytes()
+    again = pip_wheel(project, tmp_path / "again", package_name)
+    assert again.read_bytes() == fork_wheels[distribution].read_bytes()
     with zipfile.ZipFile(again) as archive:
         assert {info.date_time for info in archive.infolist()} == {(1980, 1, 1, 0, 0, 0)}
-        assert archive.namelist()[-1] == f"lightning-{FORK}.dist-info/RECORD"
+        assert archive.namelist()[-1] == f"{distribution}-{FORK}.dist-info/RECORD"
         assert archive.testzip() is None
 
 

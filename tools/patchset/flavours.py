@@ -1,6 +1,8 @@
 """The ``pytorch-lightning`` and ``lightning-fabric`` distributions of the fork, built as upstream builds them.
 
-The fork's address (``url`` in ``[tool.patchset]`` of ``pyproject.toml``) is where these distributions' metadata send
+A folder of ``distributions/`` builds one of them (``[tool.patchset] distribution`` in its ``pyproject.toml``); at
+the project, ``PACKAGE_NAME`` chooses, as in upstream's repository. The fork's address (``url`` in
+``[tool.patchset]`` of ``pyproject.toml``) is where these distributions' metadata send
 users for the code and its bugs, as patch 0001 makes ``lightning``'s do.
 
 With ``PACKAGE_NAME`` set to ``pytorch`` or ``fabric``, upstream's ``setup.py`` mirrors ``lightning.pytorch`` /
@@ -171,23 +173,50 @@ with open(os.path.join(os.path.dirname(__file__), "version.info"), encoding="utf
 """
 
 
-def fork_url(project: Path) -> str:
-    """The fork's public address: ``[tool.patchset] url`` in ``pyproject.toml``."""
+def _settings(folder: Path) -> dict[str, object]:
+    """``[tool.patchset]`` of ``folder``'s ``pyproject.toml``."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - Python 3.10: the same parser, from the index; imported here, where it is used, so that
         import tomli as tomllib  # the commands that never read pyproject.toml (check, export) need nothing but git
 
-    path = project / "pyproject.toml"
+    path = folder / "pyproject.toml"
     try:
-        url = tomllib.loads(path.read_text(encoding="utf-8")).get("tool", {}).get("patchset", {}).get("url")
+        settings = tomllib.loads(path.read_text(encoding="utf-8")).get("tool", {}).get("patchset", {})
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise PatchsetError(f"{path}: cannot read the fork's settings ({err})") from err
+    return settings if isinstance(settings, dict) else {}
+
+
+def fork_url(project: Path) -> str:
+    """The fork's public address: ``[tool.patchset] url`` in ``pyproject.toml``."""
+    url = _settings(project).get("url")
     if not isinstance(url, str) or not re.fullmatch(r"https://[^\s/]+(/[^\s/]+)+", url):
         raise PatchsetError(
-            f"{path}: [tool.patchset] url must be the fork's https address without a trailing slash, got {url!r}"
+            f"{project / 'pyproject.toml'}: [tool.patchset] url must be the fork's https address without a trailing"
+            f" slash, got {url!r}"
         )
     return url
+
+
+def declared(folder: Path) -> Flavour | None:
+    """The flavour ``[tool.patchset] distribution`` names in ``folder``'s ``pyproject.toml``; ``None`` for lightning.
+
+    A folder of ``distributions/`` declares one, and so does an sdist built from such a folder.
+    """
+    name = _settings(folder).get("distribution", "lightning")
+    by_name = {flavour.distribution: flavour for flavour in FLAVOURS.values()}
+    if name != "lightning" and name not in by_name:
+        raise PatchsetError(
+            f"{folder / 'pyproject.toml'}: [tool.patchset] distribution must be one of lightning,"
+            f" {', '.join(by_name)}, got {name!r}"
+        )
+    return by_name.get(name)  # type: ignore[arg-type]
+
+
+def package_name(flavour: Flavour) -> str:
+    """The ``PACKAGE_NAME`` value with which upstream's ``setup.py`` builds ``flavour``."""
+    return next(key for key, own in FLAVOURS.items() if own is flavour)
 
 
 def add_data_extra(tree: Path) -> None:
@@ -204,6 +233,23 @@ def requested() -> Flavour | None:
     if name not in ("", "lightning", *FLAVOURS):
         raise PatchsetError(f"{PACKAGE_NAME_ENV}={name!r}: expected one of lightning, {', '.join(FLAVOURS)}")
     return FLAVOURS.get(name)
+
+
+def chosen(folder: Path, shown: str) -> Flavour | None:
+    """The flavour a build in ``folder`` (``shown`` in messages) makes.
+
+    The one its ``pyproject.toml`` declares, else the one ``$PACKAGE_NAME`` asks for; a ``PACKAGE_NAME`` that asks for
+    another than the declared one is an error.
+    """
+    flavour, name = declared(folder), os.environ.get(PACKAGE_NAME_ENV, "").strip()
+    if flavour is None:
+        return requested()
+    if name and requested() is not flavour:
+        raise PatchsetError(
+            f"{PACKAGE_NAME_ENV}={name}, but {shown} builds {flavour.distribution}: unset {PACKAGE_NAME_ENV} (the"
+            " folder names its distribution) or install from the URL that builds the one you want"
+        )
+    return flavour
 
 
 def prepare(tree: Path, flavour: Flavour, url: str) -> None:
