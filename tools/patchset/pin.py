@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchset import PatchsetError
+from patchset.frontend_index import frontend_index, shell_cwd
 
 PIN_FILE = Path("patches") / "upstream.pin"
 SDIST_ENV = "LIGHTNING_PATCHSET_SDIST"
@@ -43,6 +45,14 @@ class Pin:
 
 class ReleaseNotFoundError(PatchsetError):
     """The index has no sdist of the requested release."""
+
+
+class NotInFindLinksError(ReleaseNotFoundError):
+    """pip may use no index (``--no-index``), and its ``--find-links`` locations have no sdist of the release."""
+
+
+class IndexUnreachableError(PatchsetError):
+    """pip could not reach the package index (no connection, a proxy or TLS failure)."""
 
 
 def read_pin(project: Path) -> Pin:
@@ -81,10 +91,8 @@ def write_pin(project: Path, pin: Pin) -> None:
 
 def user_path(value: str) -> Path:
     """A path from an environment variable; a relative one from the shell's ``$PWD`` (pip runs hooks elsewhere)."""
-    path, shell = Path(value).expanduser(), os.environ.get("PWD", "")
-    if not path.is_absolute():
-        path = (Path(shell) if os.path.isabs(shell) and os.path.isdir(shell) else Path.cwd()) / path
-    return path.resolve()
+    path = Path(value).expanduser()
+    return (path if path.is_absolute() else shell_cwd() / path).resolve()
 
 
 def cache_dir() -> Path:
@@ -118,7 +126,12 @@ def fetch_sdist(pin: Pin) -> Path:
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            downloaded = pip_download(pin.name, pin.version, Path(tmp))
+            try:
+                downloaded = pip_download(pin.name, pin.version, Path(tmp))
+            except (IndexUnreachableError, NotInFindLinksError) as err:
+                raise type(err)(
+                    f"{err}; set {SDIST_ENV}=<path to {pin.sdist}> (sha256 {pin.sha256}) or copy that file to {path}"
+                ) from None
             if downloaded.name != pin.sdist:
                 raise PatchsetError(f"pip downloaded {downloaded.name}, but the pin names {pin.sdist}")
             os.replace(downloaded, path)
@@ -126,31 +139,61 @@ def fetch_sdist(pin: Pin) -> Path:
     if actual != pin.sha256:
         if not override:  # never kept under a hash it does not have
             path.unlink()
+        hint = "" if override else f"; your index or --find-links has another file of that name: set {SDIST_ENV}"
         raise PatchsetError(
-            f"{origin}: sha256 {actual} does not match the pinned {pin.sha256} of {pin.sdist} ({PIN_FILE})"
+            f"{origin}: sha256 {actual} does not match the pinned {pin.sha256} of {pin.sdist} ({PIN_FILE}){hint}"
         )
     return path
 
 
 def pip_download(name: str, version: str, dest: Path) -> Path:
-    """The sdist of exactly ``name`` ``version``, downloaded into ``dest`` by pip (with the user's index settings)."""
+    """The sdist of exactly ``name`` ``version``, downloaded into ``dest`` by pip with the user's index settings.
+
+    Those are pip's environment and configuration, and the frontend's (:mod:`patchset.frontend_index`).
+    """
+    log = dest / "pip-download.log"  # pip's debug log: why it found nothing (not shown without -vv)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", str(dest)]
     if all(importlib.util.find_spec(module) for module in ("setuptools", "wheel", "packaging")):
         cmd.append("--no-build-isolation")  # pip reads the sdist's metadata: its build requirements are at hand
+    index = frontend_index()
     # `===`: exactly this version, never a build of the fork (2.6.6+patchset.1, which `==2.6.6` matches)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(_FRONTEND)}
-    proc = subprocess.run([*cmd, f"{name}==={version}"], capture_output=True, text=True, env=environ)
+    cmd += ["--log", str(log), *index.options, f"{name}==={version}"]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(_FRONTEND)} | index.environment
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ)
     found = sorted(dest.glob("*.tar.gz"))
     if proc.returncode == 0 and len(found) == 1:
         return found[0]
     lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
     errors = [line for line in lines if line.lower().startswith("error:") and not line.endswith("Exception:")]
     reason = (errors[0] if errors else lines[-1] if lines else "no output")[:300]  # a traceback's last line names it
-    missing = any("No matching distribution found" in line for line in lines)
-    if missing:
-        reason = f"your index has no sdist of {name} {version}"
-    message = f"could not download the {name} {version} sdist with pip ({reason}); set {SDIST_ENV} to a local copy"
-    raise (ReleaseNotFoundError if missing else PatchsetError)(message + " for offline use")
+    failed = f"could not download the {name} {version} sdist with pip"
+    if not any("No matching distribution found" in line for line in lines):
+        raise PatchsetError(f"{failed} ({reason}); set {SDIST_ENV} to a local copy for offline use")
+    debug = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
+    unreachable = unreachable_index(debug)
+    if unreachable:
+        raise IndexUnreachableError(f"{failed}: it could not reach the package index ({unreachable})")
+    if "Ignoring indexes:" in debug:
+        raise NotInFindLinksError(f"{failed}: it may use no index (--no-index), and no --find-links location has it")
+    raise ReleaseNotFoundError(
+        f"{failed} (your index has no sdist of {name} {version}); set {SDIST_ENV} to a local copy for offline use"
+    )
+
+
+_NO_CONNECTION = ("connection error", "timed out", "Max retries exceeded", "ssl certificate", "ProxyError")
+
+
+def unreachable_index(pip_log: str) -> str:
+    """Why pip's debug log says it could not use an index (an untrusted http host, no connection); else ""."""
+    untrusted = re.search(r"The repository located at (\S+) is not a trusted or secure host", pip_log)
+    if untrusted:
+        host = untrusted.group(1)
+        return f"pip ignores {host}: plain http from a host not trusted, see pip's --trusted-host {host}"
+    for url, why in re.findall(r"Could not fetch URL (\S+): (.*?)(?: - skipping)?$", pip_log, re.MULTILINE):
+        if any(sign in why for sign in _NO_CONNECTION):
+            cause = re.search(r"\[(?:Errno [^\]]*|SSL: [^\]]*)\][^'\"()]*|timed out", why)
+            return f"{url.rstrip(':')}: {(cause.group(0) if cause else why[:150]).strip()}"
+    return ""
 
 
 def cache_sdist(path: Path, sha256: str) -> Path:
