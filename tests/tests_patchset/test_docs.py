@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,7 +86,7 @@ def test_install_lines_pin_the_newest_release_by_a_commit_that_a_fresh_clone_has
     of the repository (which has main's commits, and no tags) resolves it to a commit whose pin builds that release."""
     url = fork_url(REPO)
     text = README.read_text(encoding="utf-8")
-    refs = re.findall(rf'{re.escape(url)}(?:\.git)?@([^"\s]+)', text)
+    refs = re.findall(rf'{re.escape(url)}(?:\.git)?[@#]([^"\s#]+)', text)
     refs += re.findall(r'\b(?:rev|tag|branch) = "([^"]+)"', text)  # Poetry's table
     changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     releases = re.findall(r"^## \[([^\]]+)\] - [0-9-]+\n\nCommit: `([0-9a-f]{40})`$", changelog, re.MULTILINE)
@@ -103,6 +105,36 @@ def test_install_lines_pin_the_newest_release_by_a_commit_that_a_fresh_clone_has
     assert _git(clone, "merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, "not on main's history"
     pin = _git(clone, "show", f"{commit}:patches/upstream.pin").stdout
     assert f"local-version = {version.split('+', 1)[1]}" in pin.splitlines(), pin
+
+
+def _newest_release() -> tuple[str, str]:
+    """The newest release in the CHANGELOG and its commit: ``HEAD`` on the release commit, whose heading names none."""
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    version, commit = re.findall(r"^## \[([^\]]+)\] - [0-9-]+\n(?:\nCommit: `([0-9a-f]{40})`$)?", changelog, re.M)[0]
+    return version, commit or _git(REPO, "rev-parse", "HEAD").stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_release_the_readme_pins_has_every_option_the_readme_names(tmp_path: Path):
+    """Each `Callable(keyword=...)` of the README exists in the build of the newest release's commit, which its install
+    lines pin (on the release commit itself, before its README names it: that commit's own build)."""
+    names = sorted({
+        name for call in re.findall(r"`(\w+)\((\w+)=", README.read_text(encoding="utf-8")) for name in call
+    })
+    assert "save_pre_optimizer_step_state" in names, names
+    if not (REPO / ".git").exists() or _git(REPO, "rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("not a full git clone of the repository")
+    version, commit = _newest_release()
+    clone, tree = tmp_path / "clone", tmp_path / "tree"
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(REPO), str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)
+    build = "import sys, pathlib, patchset.materialize as m; m.build_tree(*map(pathlib.Path, sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(clone / "tools")}  # that commit's own tool builds it
+    proc = subprocess.run([sys.executable, "-c", build, str(clone), str(tree)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = "\n".join(path.read_text(encoding="utf-8") for path in sorted((tree / "src" / "lightning").rglob("*.py")))
+    missing = [name for name in names if not re.search(rf"\b{name}\b", code)]
+    assert not missing, f"{version} (commit {commit[:12]}) has no {', '.join(missing)}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
