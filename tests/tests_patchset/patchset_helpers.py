@@ -199,3 +199,20 @@ Fixes #\\<issue_number>
 
 </details>
 """
+
+
+def uv_binary() -> str:
+    """The uv that tests/requirements.txt installs: on PATH, or beside this interpreter (a venv not activated)."""
+    uv = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
+    if not Path(uv).is_file():
+        pytest.skip("uv is not installed (tests/requirements.txt installs it)")
+    return uv
+
+
+def newest_release() -> tuple[str, str]:
+    """The newest release in the CHANGELOG and its commit, which the README's install lines pin; on the release commit
+    itself, whose heading names no commit yet (``release`` adds it in the next), this commit: the README describes
+    that release before its lines can pin it."""
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    version, commit = re.findall(r"^## \[([^\]]+)\] - [0-9-]+\n(?:\nCommit: `([0-9a-f]{40})`$)?", changelog, re.M)[0]
+    return version, commit or git(REPO, "rev-parse", "HEAD")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import PROJECT_EMAIL, REPO
+from patchset_helpers import PROJECT_EMAIL, REPO, newest_release
 
 from patchset.flavours import fork_url
 from patchset.pin import read_pin
@@ -107,13 +107,6 @@ def test_install_lines_pin_the_newest_release_by_a_commit_that_a_fresh_clone_has
     assert f"local-version = {version.split('+', 1)[1]}" in pin.splitlines(), pin
 
 
-def _newest_release() -> tuple[str, str]:
-    """The newest release in the CHANGELOG and its commit: ``HEAD`` on the release commit, whose heading names none."""
-    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
-    version, commit = re.findall(r"^## \[([^\]]+)\] - [0-9-]+\n(?:\nCommit: `([0-9a-f]{40})`$)?", changelog, re.M)[0]
-    return version, commit or _git(REPO, "rev-parse", "HEAD").stdout.strip()
-
-
 @pytest.mark.slow
 def test_the_release_the_readme_pins_has_every_option_the_readme_names(tmp_path: Path):
     """Each `Callable(keyword=...)` of the README exists in the build of the newest release's commit, which its install
@@ -124,7 +117,7 @@ def test_the_release_the_readme_pins_has_every_option_the_readme_names(tmp_path:
     assert "save_pre_optimizer_step_state" in names, names
     if not (REPO / ".git").exists() or _git(REPO, "rev-parse", "--is-shallow-repository").stdout.strip() != "false":
         pytest.skip("not a full git clone of the repository")
-    version, commit = _newest_release()
+    version, commit = newest_release()
     clone, tree = tmp_path / "clone", tmp_path / "tree"
     subprocess.run(["git", "clone", "-q", "--no-checkout", str(REPO), str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)

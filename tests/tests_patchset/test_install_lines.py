@@ -1,18 +1,18 @@
-"""The README's uv lines resolve as written, against a clone of this repository (which has no tags).
+"""The README's requirements lines resolve with uv as written, against a clone of this repository (no tags).
 
 test_docs checks that every pin is the newest release's commit and that a clone has it; test_release installs such
-pins with the pip a new venv bundles. Here uv resolves the README's requirements.txt and PEP 621 lines themselves.
+pins with the pip a new venv bundles; test_subdirectories installs all three distributions with pip, uv and Poetry.
+Here uv resolves the README's own lines, the three distributions of its requirements.txt.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REPO
+from patchset_helpers import REPO, newest_release, uv_binary
 
 URL = "https://github.com/lightning-patchset/lightning-patchset"
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -22,12 +22,6 @@ def _block(marker: str) -> str:
     """The README's fenced block that starts with the comment line ``marker``."""
     (block,) = [b for b in re.findall(r"```\w*\n(.*?)```", README, flags=re.S) if b.startswith(marker)]
     return block
-
-
-def _release_commit() -> str:
-    """The commit of the newest release, under its CHANGELOG heading."""
-    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
-    return re.findall(r"^Commit: `([0-9a-f]{40})`", changelog, flags=re.M)[0]
 
 
 @pytest.fixture
@@ -41,30 +35,18 @@ def clone_url(tmp_path: Path) -> str:
     return f"file://localhost{clone}"
 
 
-def _local(line: str, clone_url: str) -> str:
-    return line.replace(f"{URL}.git", clone_url).replace(URL, clone_url)
-
-
 @pytest.mark.slow
-def test_the_requirements_and_pep_621_lines_resolve_with_uv(clone_url: str, tmp_path: Path):
-    uv = shutil.which("uv")
-    if uv is None:
-        pytest.skip("uv is not installed (tests/requirements.txt installs it)")
-    requirements = _block("# requirements.txt")
-    # the CPU index is for the user's torch; here only the fork's line is resolved, without its dependencies
-    (line,) = [line for line in requirements.splitlines() if line.startswith("lightning @")]
-    (tmp_path / "requirements.txt").write_text(_local(line, clone_url) + "\n")
-    pyproject = _block("# pyproject.toml")
-    (dependency,) = re.findall(r"dependencies = \[\"(.+?)\"\]", pyproject)
-    (tmp_path / "pyproject.toml").write_text(
-        f'[project]\nname = "app"\nversion = "0"\ndependencies = ["{_local(dependency, clone_url)}"]\n'
-    )
-    for source in ("requirements.txt", "pyproject.toml"):
-        proc = subprocess.run(
-            [uv, "pip", "compile", "--no-deps", "--no-header", "--quiet", source],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"lightning @ git+{clone_url}@{_release_commit()}" in proc.stdout, proc.stdout
+def test_the_requirements_lines_resolve_with_uv(clone_url: str, tmp_path: Path):
+    uv = uv_binary()
+    _, commit = newest_release()  # what the lines pin (this commit, on the release commit itself)
+    lines = [line for line in _block("# requirements.txt").splitlines() if " @ git+" in line]
+    assert [line.split()[0] for line in lines] == ["lightning", "pytorch-lightning", "lightning-fabric"]
+    # the CPU index is for the user's torch; here only the fork's lines are resolved, without their dependencies
+    local = [re.sub(r"@[0-9a-f]{40}", f"@{commit}", line.replace(URL, clone_url)) for line in lines]
+    (tmp_path / "requirements.txt").write_text("\n".join(local) + "\n")
+    cmd = [uv, "pip", "compile", "--no-deps", "--no-header", "--quiet", "requirements.txt"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in local:
+        name, _, url = line.partition(" @ ")
+        assert f"{name} @ {url}" in proc.stdout, proc.stdout

@@ -13,7 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from patchset_helpers import BUILT_FILES, DISTRIBUTIONS, FORK, REPO, copy_project, git, make_venv, pip, run_python
+from patchset_helpers import (
+    BUILT_FILES,
+    DISTRIBUTIONS,
+    FORK,
+    REPO,
+    copy_project,
+    git,
+    make_venv,
+    pip,
+    run_python,
+    uv_binary,
+)
 
 from patchset import backend
 from patchset.flavours import FLAVOURS
@@ -54,13 +65,6 @@ def _versions(python: Path) -> dict[str, str]:
     """The installed version of each of the three distributions in the environment of ``python``."""
     code = f"from importlib.metadata import version; print(*(version(name) for name in {NAMES}))"
     return dict(zip(NAMES, run_python(python, code).split(), strict=True))
-
-
-def _uv() -> str:
-    uv = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
-    if not Path(uv).is_file():
-        pytest.skip("uv is not installed (tests/requirements.txt installs it)")
-    return uv
 
 
 def test_each_folder_declares_its_distribution_and_builds_with_the_projects_backend():
@@ -132,7 +136,7 @@ def test_one_requirements_file_installs_the_three_with_pip(fork_repo: Path, bund
 def test_uv_installs_the_three_and_a_teammates_uv_sync_builds_them(fork_repo: Path, tmp_path: Path, monkeypatch):
     """`uv pip install -r`, `uv add` of the three lines into a project, and `uv sync` of that project's pyproject.toml
     and uv.lock elsewhere, with a cache of its own (it builds again) and no PACKAGE_NAME."""
-    uv = _uv()
+    uv = uv_binary()
     monkeypatch.delenv("PACKAGE_NAME", raising=False)
 
     def run(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess[str]:

@@ -35,10 +35,10 @@ def _versions(python: Path) -> dict[str, str]:
 
 
 def _import_warnings(python: Path) -> list[str]:
-    """The lines ``import lightning`` writes to stderr (a warning is its location line and its source line)."""
+    """The fork's warnings about an unpatched copy that ``import lightning`` writes to stderr."""
     proc = subprocess.run([python, "-c", "import lightning"], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return [line for line in proc.stderr.splitlines() if "Warning: " in line]
+    return [line for line in proc.stderr.splitlines() if "installed beside the patch set's lightning" in line]
 
 
 def _install_stock_then_fork(python: Path, fork_wheels: dict[str, Path]) -> None:

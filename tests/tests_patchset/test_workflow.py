@@ -102,7 +102,7 @@ def test_patch_that_no_longer_applies_names_patch_file_and_hunk(project: Path, r
     broken = text.replace("_PATH_REQUIREMENTS, unfreeze=", "_PATH_REQUIREMENTS, defrost=", 1)
     assert broken != text
     patch.write_text(broken)
-    hunk = re.search(r"^@@ .* @@.*$", text, re.M).group(0)
+    hunk = re.findall(r"^@@ .* @@.*$", text[: text.index("_PATH_REQUIREMENTS, unfreeze=")], re.M)[-1]  # the broken one
     expected = f"{patch.name} does not apply: src/lightning/__setup__.py, hunk `{hunk}`"
     with pytest.raises(PatchsetError) as err:
         materialize_workspace(project)
