@@ -199,7 +199,7 @@ def stock_env(version: str) -> dict[str, str] | None:
 def run(part: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one case in a new process (``env``: stock's), and return what it found."""
     cmd = [sys.executable, os.path.abspath(__file__), part]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{part} failed:\n{proc.stderr[-2000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -39,3 +39,31 @@ def test_the_demo_on_stock_says_so_in_one_line(stock_first: dict[str, str]):
     assert proc.returncode == 1
     assert _one_line(proc).endswith("this lightning is 2.6.6, not the patch set's fork (a `+patchset` version):"
                                     " install the fork first, `pip install .`")  # fmt: skip
+
+
+def _beside_the_fork(tmp_path: Path, name: str, version: str) -> dict[str, str]:
+    """An environment in which ``name`` ``version`` is installed beside the fork (its metadata only)."""
+    folder = tmp_path / f"{name.replace('-', '_')}-{version}.dist-info"
+    write(folder / "METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    environ = {k: v for k, v in os.environ.items() if k != "LIGHTNING_PATCHSET_WARNED_UNPATCHED"}
+    return {**environ, "PYTHONPATH": str(tmp_path)}
+
+
+def test_stock_beside_the_fork_is_one_warning_even_where_warnings_are_errors(tmp_path: Path):
+    env = _beside_the_fork(tmp_path, "lightning-fabric", "2.6.6")
+    for flags in ([], ["-W", "error"]):  # `-W error`: the import still works, and says it once
+        proc = subprocess.run([sys.executable, *flags, "-c", "import lightning"], capture_output=True, text=True,
+                              env=env, cwd="/", timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (line,) = [line for line in proc.stderr.splitlines() if "installed beside" in line]
+        assert "lightning-fabric 2.6.6 is installed beside the patch set's lightning " in line
+        assert "`import lightning_fabric` runs that code, without this build's fixes" in line
+        assert "run `pip uninstall -y lightning-fabric`" in line
+
+
+def test_the_forks_build_of_another_commit_beside_it_is_not_called_stock(tmp_path: Path):
+    env = _beside_the_fork(tmp_path, "pytorch-lightning", "2.6.6+patchset.1.200.gdeadbee")
+    proc = subprocess.run([sys.executable, "-c", "import lightning"], capture_output=True, text=True, env=env, cwd="/")
+    (line,) = [line for line in proc.stderr.splitlines() if "installed beside" in line]
+    assert "install all three of the fork's distributions from one commit" in line
+    assert "uninstall" not in line

@@ -15,6 +15,7 @@ import pytest
 from patchset_helpers import REPO, TOOLS, pip, write
 
 from patchset import PatchsetError
+from patchset import frontend_index as frontend_index_module
 from patchset.frontend_index import command_line_options
 from patchset.pin import (
     SDIST_ENV,
@@ -307,7 +308,8 @@ def test_a_release_missing_from_a_reachable_index(project: Path, no_pip_settings
 def test_uvs_index_variables_apply_where_pips_are_not_set(
     project: Path, no_pip_settings: Path, local_index, monkeypatch, tmp_path: Path
 ):
-    """UV_OFFLINE and UV_FIND_LINKS become pip's settings; UV_INDEX_URL does not replace a PIP_INDEX_URL."""
+    """Under uv, UV_OFFLINE and UV_FIND_LINKS become pip's settings; UV_INDEX_URL does not replace a PIP_INDEX_URL."""
+    monkeypatch.setattr(frontend_index_module, "parent_process", lambda: (["/bin/uv", "pip", "install", "x"], tmp_path))
     _fake_release(project, tmp_path / "links")
     monkeypatch.setenv("UV_FIND_LINKS", f"{tmp_path / 'empty'},{tmp_path / 'links'}")
     monkeypatch.setenv("UV_OFFLINE", "1")
@@ -382,9 +384,15 @@ def test_the_frontends_index_url_wins_over_the_environment(
     assert _hook_said(proc) == [f"fetched {no_pip_settings / 'sdist' / pin.sha256 / pin.sdist}"], proc.stderr
     assert "/simple/lightning/" in local_index.requests
 
+    # the frontend's mirror fails: pip's own settings, as before the frontend's were read
     closed = _closed_port_url()
     (no_pip_settings / "sdist" / pin.sha256 / pin.sdist).unlink()
     env["PIP_INDEX_URL"] = local_index.url
+    proc = pip(bundled_pip_venv, "install", "--no-build-isolation", f"--index-url={closed}", fetching, env=env)
+    assert _hook_said(proc) == [f"fetched {no_pip_settings / 'sdist' / pin.sha256 / pin.sdist}"], proc.stderr
+    # both fail: one line
+    (no_pip_settings / "sdist" / pin.sha256 / pin.sdist).unlink()
+    env["PIP_INDEX_URL"] = closed
     proc = pip(bundled_pip_venv, "install", "--no-build-isolation", f"--index-url={closed}", fetching, env=env)
     assert _hook_said(proc) == [
         "patchset: error: could not download the lightning 2.6.6 sdist with pip: it could not reach the package index"
@@ -412,6 +420,59 @@ def test_uvs_default_index_reaches_the_download(
     said = " ".join(proc.stderr.split())  # uv wraps the hook's output
     assert f"fetched {no_pip_settings / 'sdist' / pin.sha256 / pin.sdist} " in said, proc.stderr
     assert "/simple/lightning/" in local_index.requests
+
+
+class _LoginRequired(http.server.BaseHTTPRequestHandler):
+    """A private index: every request gets 401 and a request for a login."""
+
+    def do_GET(self) -> None:
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="private"')
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_the_frontends_extra_index_can_neither_swap_the_file_nor_ask_for_a_login(
+    bundled_pip_venv: Path, project: Path, no_pip_settings: Path, local_index, tmp_path: Path
+):
+    """`pip install -i MAIN --extra-index-url A --extra-index-url B`: A serves another file of the sdist's name, B wants
+    a login the inner pip does not have; the pinned hash takes MAIN's file and nothing prompts (pip's own settings
+    reach no index: the download must work with the frontend's)."""
+    swapped = _fake_release(project, tmp_path / "swapped")
+    write(tmp_path / "swapped" / "lightning-2.6.6" / "setup.py", "raise SystemExit('another file of that name')\n")
+    with tarfile.open(swapped, "w:gz") as tar:
+        tar.add(tmp_path / "swapped" / "lightning-2.6.6", arcname="lightning-2.6.6")
+    local_index.publish(swapped)
+    main = _Index(tmp_path / "main")
+    main.publish(_fake_release(project, tmp_path / "pinned"))
+    assert file_sha256(swapped) != read_pin(project).sha256
+    private = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LoginRequired)
+    servers = [main.server, private]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {"PATCHSET_TOOLS": str(TOOLS), "PATCHSET_PROJECT": str(project), "PIP_INDEX_URL": _closed_port_url()}
+    options = ["-i", main.url, "--extra-index-url", local_index.url]
+    options += ["--extra-index-url", f"http://127.0.0.1:{private.server_port}/", "--trusted-host", "127.0.0.1"]
+    try:
+        fetching = str(_fetching_project(tmp_path / "p"))
+        proc = pip(bundled_pip_venv, "install", "--no-build-isolation", *options, fetching, env=env)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    pin = read_pin(project)
+    assert _hook_said(proc) == [f"fetched {no_pip_settings / 'sdist' / pin.sha256 / pin.sdist}"], proc.stderr
+    assert "/simple/lightning/" in local_index.requests  # the frontend's extra index was asked
+
+
+def test_a_frontend_command_line_it_cannot_translate_leaves_pips_own_settings(monkeypatch, tmp_path: Path):
+    argv = ["/bin/uv", "pip", "install", "--index-url", "file:/abs/dir", "x"]  # no file URI can be made of it
+    with pytest.raises(ValueError, match="relative path"):
+        frontend_index_module.command_line_options(argv, tmp_path)
+    monkeypatch.setattr(frontend_index_module, "parent_process", lambda: (argv, tmp_path))
+    assert frontend_index_module.frontend_index() == frontend_index_module.NO_FRONTEND_INDEX
 
 
 @pytest.mark.parametrize(

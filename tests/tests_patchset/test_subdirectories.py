@@ -26,7 +26,7 @@ from patchset_helpers import (
     uv_binary,
 )
 
-from patchset import backend
+from patchset import backend, flavours
 from patchset.flavours import FLAVOURS
 
 if sys.version_info >= (3, 11):
@@ -95,6 +95,16 @@ def test_package_name_of_another_distribution_is_one_line(
         " unset PACKAGE_NAME (the folder names its distribution) or install from the URL that builds the one you"
         " want\n"
     )
+
+
+@pytest.mark.parametrize("package_name", ["pytorch", "myapp", ""])
+def test_a_folder_builds_its_own_distribution_whatever_else_package_name_says(
+    package_name: str, tmp_path: Path, monkeypatch
+):
+    """Its own flavour's name, or another project's value of the common variable: the folder's distribution."""
+    monkeypatch.setenv("PACKAGE_NAME", package_name)
+    folder = copy_project(tmp_path / "project", include=BUILT_FILES) / "distributions" / "pytorch-lightning"
+    assert flavours.chosen(folder, "distributions/pytorch-lightning") is FLAVOURS["pytorch"]
 
 
 def test_an_editable_install_of_a_folder_is_one_line(tmp_path: Path, monkeypatch, capsys):

@@ -246,7 +246,9 @@ def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) ->
                 data = re.sub(rb"(?m)^local-version = .*$", f"local-version = {pin.local_version}".encode(), data)
             if rel == "pyproject.toml" and source.flavour and not flavours.declared(project):
                 declaration = f'[tool.patchset]\ndistribution = "{source.flavour.distribution}"\n'.encode()
-                data = re.sub(rb"(?m)^\[tool\.patchset\]\r?\n", declaration, data, count=1)
+                data, found = re.subn(rb"(?m)^\[tool\.patchset\]\r?\n", declaration, data, count=1)
+                if not found:
+                    raise PatchsetError("pyproject.toml: no `[tool.patchset]` line to declare the distribution under")
             info = tarfile.TarInfo(f"{stem}/{rel}")
             info.size, info.mtime, info.mode = len(data), epoch, 0o755 if executable else 0o644
             tar.addfile(info, io.BytesIO(data))

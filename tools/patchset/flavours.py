@@ -204,6 +204,9 @@ def declared(folder: Path) -> Flavour | None:
 
     A folder of ``distributions/`` declares one, and so does an sdist built from such a folder.
     """
+    path = folder / "pyproject.toml"
+    if "distribution" not in (path.read_text(encoding="utf-8") if path.is_file() else ""):
+        return None  # the project's own: no need of a TOML parser (Python 3.10 may build without tomli)
     name = _settings(folder).get("distribution", "lightning")
     by_name = {flavour.distribution: flavour for flavour in FLAVOURS.values()}
     if name != "lightning" and name not in by_name:
@@ -238,13 +241,14 @@ def requested() -> Flavour | None:
 def chosen(folder: Path, shown: str) -> Flavour | None:
     """The flavour a build in ``folder`` (``shown`` in messages) makes.
 
-    The one its ``pyproject.toml`` declares, else the one ``$PACKAGE_NAME`` asks for; a ``PACKAGE_NAME`` that asks for
-    another than the declared one is an error.
+    The one its ``pyproject.toml`` declares, else the one ``$PACKAGE_NAME`` asks for. In a folder that declares one,
+    ``PACKAGE_NAME`` is left alone (it is a common variable of other projects' builds) unless it names another of
+    Lightning's distributions, which is an error.
     """
     flavour, name = declared(folder), os.environ.get(PACKAGE_NAME_ENV, "").strip()
     if flavour is None:
         return requested()
-    if name and requested() is not flavour:
+    if (name in FLAVOURS and FLAVOURS[name] is not flavour) or name == "lightning":
         raise PatchsetError(
             f"{PACKAGE_NAME_ENV}={name}, but {shown} builds {flavour.distribution}: unset {PACKAGE_NAME_ENV} (the"
             " folder names its distribution) or install from the URL that builds the one you want"

@@ -5,7 +5,7 @@ inherits (so ``PIP_*`` variables and pip's configuration files reach the inner p
 command line and working folder under ``/proc/<parent pid>/``: pip (23.2 to 26.3) and uv run each hook in a child
 process of their own. This reads index options there for pip (``pip install/wheel/download/lock``) and uv
 (``uv pip install/sync/compile``, ``uv build/sync/lock/add/export``, ``uv tool install``), and uv's own ``UV_*``
-variables unless pip is the frontend. Nothing else is read: not requirement files (their ``--index-url`` lines), nor
+variables when uv is the frontend. Nothing else is read: not requirement files (their ``--index-url`` lines), nor
 uv's ``uv.toml`` or ``[tool.uv]`` settings, nor the command lines of ``uv run``, ``uvx`` or other frontends; where
 ``/proc`` cannot be read (other systems), only the environment counts.
 """
@@ -58,13 +58,32 @@ class FrontendIndex:
     options: list[str]  # to add to the inner pip's command line (they win over its environment)
     environment: dict[str, str]  # to add to the inner pip's environment
 
+    @property
+    def no_index(self) -> bool:
+        """Whether the frontend was told to use no index."""
+        return "--no-index" in self.options or self.environment.get("PIP_NO_INDEX") == "1"
+
+
+NO_FRONTEND_INDEX = FrontendIndex("", [], {})  # pip's own settings alone
+
 
 def frontend_index(environ: Mapping[str, str] = os.environ) -> FrontendIndex:
-    """The index settings of the frontend running this process (its parent), for an inner ``pip download``."""
+    """The index settings of the frontend running this process (its parent), for an inner ``pip download``.
+
+    Anything unexpected on the way (an option value no URL can be made of, say) gives :data:`NO_FRONTEND_INDEX`: the
+    inner pip then runs with its own settings, as before the frontend's were read.
+    """
+    try:
+        return _frontend_index(environ)
+    except Exception:  # never fail a build over settings it can do without
+        return NO_FRONTEND_INDEX
+
+
+def _frontend_index(environ: Mapping[str, str]) -> FrontendIndex:
     parent = parent_process()
     frontend, options = command_line_options(*parent) if parent else ("", [])
     cwd = parent[1] if parent else shell_cwd()
-    environment = {} if frontend == "pip" else uv_environment_as_pip(environ, cwd)
+    environment = uv_environment_as_pip(environ, cwd) if frontend == "uv" else {}  # never another program's
     links = environ.get("PIP_FIND_LINKS", "").split()  # relative to the frontend's folder, not the hook's
     if any(absolute_location(link, cwd) != link for link in links):
         environment["PIP_FIND_LINKS"] = " ".join(absolute_location(link, cwd) for link in links)

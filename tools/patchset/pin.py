@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchset import PatchsetError
-from patchset.frontend_index import frontend_index, shell_cwd
+from patchset.frontend_index import NO_FRONTEND_INDEX, FrontendIndex, frontend_index, shell_cwd
 
 PIN_FILE = Path("patches") / "upstream.pin"
 SDIST_ENV = "LIGHTNING_PATCHSET_SDIST"
@@ -127,7 +127,7 @@ def fetch_sdist(pin: Pin) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             try:
-                downloaded = pip_download(pin.name, pin.version, Path(tmp))
+                downloaded = pip_download(pin.name, pin.version, Path(tmp), pin.sha256)
             except (IndexUnreachableError, NotInFindLinksError) as err:
                 raise type(err)(
                     f"{err}; set {SDIST_ENV}=<path to {pin.sdist}> (sha256 {pin.sha256}) or copy that file to {path}"
@@ -146,24 +146,29 @@ def fetch_sdist(pin: Pin) -> Path:
     return path
 
 
-def pip_download(name: str, version: str, dest: Path) -> Path:
-    """The sdist of exactly ``name`` ``version``, downloaded into ``dest`` by pip with the user's index settings.
+def pip_download(name: str, version: str, dest: Path, sha256: str = "") -> Path:
+    """The sdist of exactly ``name`` ``version`` (with ``sha256``, if given), downloaded into ``dest`` by pip.
 
-    Those are pip's environment and configuration, and the frontend's (:mod:`patchset.frontend_index`).
+    pip uses the user's index settings: its environment and configuration, and the frontend's
+    (:mod:`patchset.frontend_index`). Should the frontend's make the download fail (an index that needs a login the
+    inner pip lacks, a mirror without the file), it is tried once more with pip's own settings alone, as before they
+    were read; an explicit ``--no-index`` is kept.
     """
-    log = dest / "pip-download.log"  # pip's debug log: why it found nothing (not shown without -vv)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", str(dest)]
-    if all(importlib.util.find_spec(module) for module in ("setuptools", "wheel", "packaging")):
-        cmd.append("--no-build-isolation")  # pip reads the sdist's metadata: its build requirements are at hand
     index = frontend_index()
-    # `===`: exactly this version, never a build of the fork (2.6.6+patchset.1, which `==2.6.6` matches)
-    cmd += ["--log", str(log), *index.options, f"{name}==={version}"]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(_FRONTEND)} | index.environment
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ)
-    found = sorted(dest.glob("*.tar.gz"))
-    if proc.returncode == 0 and len(found) == 1:
-        return found[0]
+    attempts = [index] if not (index.options or index.environment) or index.no_index else [index, NO_FRONTEND_INDEX]
+    for attempt in attempts:
+        proc, log = _pip_download(name, version, dest, sha256, attempt)
+        found = sorted(dest.glob("*.tar.gz"))
+        if proc.returncode == 0 and len(found) == 1:
+            return found[0]
     lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    got = re.search(r"^Got\s+([0-9a-f]{64})$", "\n".join(lines), re.MULTILINE)  # pip's hash check refused it
+    if got:
+        raise PatchsetError(
+            f"downloaded {name}-{version}.tar.gz: sha256 {got[1]} does not match the pinned {sha256} of"
+            f" {name}-{version}.tar.gz ({PIN_FILE}); your index or --find-links has another file of that name: set"
+            f" {SDIST_ENV}"
+        )
     errors = [line for line in lines if line.lower().startswith("error:") and not line.endswith("Exception:")]
     reason = (errors[0] if errors else lines[-1] if lines else "no output")[:300]  # a traceback's last line names it
     failed = f"could not download the {name} {version} sdist with pip"
@@ -178,6 +183,24 @@ def pip_download(name: str, version: str, dest: Path) -> Path:
     raise ReleaseNotFoundError(
         f"{failed} (your index has no sdist of {name} {version}); set {SDIST_ENV} to a local copy for offline use"
     )
+
+
+def _pip_download(
+    name: str, version: str, dest: Path, sha256: str, index: FrontendIndex
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One ``pip download`` of the sdist with ``index``'s settings; the process and its debug log."""
+    log = dest / "pip-download.log"  # pip's debug log: why it found nothing (not shown without -vv)
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", str(dest)]
+    if all(importlib.util.find_spec(module) for module in ("setuptools", "wheel", "packaging")):
+        cmd.append("--no-build-isolation")  # pip reads the sdist's metadata: its build requirements are at hand
+    # `===`: exactly this version, never a build of the fork (2.6.6+patchset.1, which `==2.6.6` matches); the hash
+    # makes pip pass over another index's file of that name; no prompt for a login (a build has no one to answer)
+    requirement = f"{name}==={version}" + (f" --hash=sha256:{sha256}" if sha256 else "")
+    (requirements := dest / "requirement.txt").write_text(requirement + "\n", encoding="utf-8")
+    cmd += ["--no-input", "--log", str(log), *index.options, "-r", str(requirements)]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(_FRONTEND)} | index.environment
+    return subprocess.run(cmd, capture_output=True, text=True, env=environ, stdin=subprocess.DEVNULL), log
 
 
 _NO_CONNECTION = ("connection error", "timed out", "Max retries exceeded", "ssl certificate", "ProxyError")
