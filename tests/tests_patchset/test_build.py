@@ -11,6 +11,7 @@ import email.parser
 import sys
 import tarfile
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from patchset_helpers import (
 )
 
 from patchset.overlay import overlay_files
+from patchset.pin import read_pin, write_pin
 from patchset.series import read_series
 
 
@@ -130,6 +132,9 @@ def test_pip_install_from_git_with_a_cold_cache(
     pip 23 and 24 hand the hook `PEP517_BACKEND_PATH`, pip 25 on `_PYPROJECT_HOOKS_BACKEND_PATH`, and neither must
     reach the inner pip. A build of the fork that `lightning==2.6.6` would match sits next to upstream's sdist."""
     isolation = request.node.callspec.params["pip_in_venv"] == "bundled"
+    # a label of its own: the venv also sees this environment's fork, which on a release commit has FORK's version,
+    # and pip would take that for the requirement
+    write_pin(demo_project, replace(read_pin(demo_project), local_version="patchset.999"))
     git(demo_project, "init", "-q")
     git(demo_project, "add", "-A")
     git(demo_project, "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-qm", "fork")
@@ -146,7 +151,7 @@ def test_pip_install_from_git_with_a_cold_cache(
     proc = pip(pip_in_venv, *args, env=env, unset=("LIGHTNING_PATCHSET_SDIST",))
     assert proc.returncode == 0, proc.stderr[-3000:]
     code = "import lightning, lightning.fabric.utilities._patchset_demo as d; print(lightning.__version__, d.GREETING)"
-    assert run_python(pip_in_venv, code) == f"{FORK} hello"
+    assert run_python(pip_in_venv, code) == f"{read_pin(demo_project).fork_version} hello"
     assert list((tmp_path / "cache" / "sdist").rglob("lightning-2.6.6.tar.gz"))
 
 

@@ -139,12 +139,16 @@ def test_no_page_describes_one_machine_only(page: Path):
 
 
 def test_the_changelog_keeps_a_changelog_and_has_a_section_to_release():
-    """Something under `[Unreleased]`, except on the commit with which `release` starts the next label."""
+    """Something under `[Unreleased]`, except on the release commit (whose section is the release's) and on the commit
+    with which `release` starts the next label."""
     text = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
-    _, notes = unreleased_notes(text)
     pin = read_pin(REPO)
-    label = int(pin.local_version.removeprefix("patchset."))
-    assert notes or f"\n## [{pin.version}+patchset.{label - 1}] - " in text
+    if "\n## [Unreleased]" not in text:  # the release commit
+        assert f"\n## [{pin.fork_version}] - " in text
+    else:
+        _, notes = unreleased_notes(text)
+        label = int(pin.local_version.removeprefix("patchset."))
+        assert notes or f"\n## [{pin.version}+patchset.{label - 1}] - " in text
     assert set(re.findall(r"^### (.+)$", text, flags=re.MULTILINE)) <= set(CHANGELOG_SECTIONS)
 
 
